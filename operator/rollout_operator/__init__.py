@@ -1,0 +1,1 @@
+"""rollout_operator: the kopf operator that walks ModelDeployment canaries forward or back."""

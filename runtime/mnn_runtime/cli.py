@@ -1,0 +1,95 @@
+"""``mnn-rollout``: one console script, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .server import serve
+
+    try:
+        serve(Path(args.config), args.host, args.port, log_level=args.log_level)
+    except ConfigError as exc:
+        print(f"error: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import ConversionError, convert
+
+    try:
+        out = convert(args.src, args.dst, weight_bits=args.weight_bits)
+    except ConversionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_examples(args: argparse.Namespace) -> int:
+    from .examples import build_examples
+
+    sums = build_examples(args.dir, size=args.size)
+    for name, sha in sums.items():
+        print(f"{sha}  {Path(args.dir) / (name + '.mnn')}")
+    print(f"wrote {Path(args.dir) / 'runtime.yaml'}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(requests=args.requests, users=args.users, workdir=args.workdir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mnn-rollout", description="Roll out new versions of MNN models safely."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="serve every version in a runtime config over OIP v2 REST")
+    p.add_argument("--config", required=True, help="runtime config YAML (followed for changes)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("convert", help="convert an ONNX model to MNN (safely, no telemetry)")
+    p.add_argument("src", help="ONNX model file")
+    p.add_argument("dst", help="MNN model file to write")
+    p.add_argument("--weight-bits", type=int, default=None, help="store weights quantized to N bits (8)")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("examples", help="build the example scorer models and a runtime config")
+    p.add_argument("dir", help="directory to write the models into")
+    p.add_argument("--size", choices=["small", "large"], default="small",
+                   help="'large' also builds a >=50 MB version for memory benchmarks")
+    p.set_defaults(func=_cmd_examples)
+
+    p = sub.add_parser("demo", help="build the examples, serve v1:90/v2:10 and show the split")
+    p.add_argument("--requests", type=int, default=3000, help="requests to send (default 3000)")
+    p.add_argument("--users", type=int, default=1000, help="distinct user ids (default 1000)")
+    p.add_argument("--workdir", default=None, help="where to build models (default: a temp dir)")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

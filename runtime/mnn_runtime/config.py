@@ -1,0 +1,204 @@
+"""The runtime config: which versions to serve and how to split traffic between them.
+
+The same shape is written by the operator into the ``<name>-routing`` ConfigMap, so the operator
+imports these models to render it. Every validation error names the field, the value and what
+would be valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+HEADER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; the message names every bad field and value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VersionSpec(_Strict):
+    """One model version: a name and where its ``.mnn`` file is."""
+
+    name: str = Field(description="Version name, a DNS-1123 label such as v1 or v2-int8.")
+    uri: str = Field(description="A path or file:// URI of the .mnn file (relative to the config file).")
+    sha256: str | None = Field(default=None, description="Expected sha256 of the file, lowercase hex.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_label(cls, value: str) -> str:
+        if len(value) > 63 or not DNS1123_LABEL.match(value):
+            raise ValueError(
+                f"version name {value!r} is not a DNS-1123 label "
+                "(lowercase letters, digits and '-', starting and ending with a letter or digit, at most 63)"
+            )
+        return value
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_is_local(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("uri is empty; valid: a path or a file:// URI of a .mnn file")
+        scheme = urlparse(value).scheme
+        if scheme not in ("", "file"):
+            raise ValueError(f"uri {value!r} has unsupported scheme {scheme!r}; valid: a path or file://")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha_is_hex(cls, value: str | None) -> str | None:
+        if value is not None and not SHA256_HEX.match(value):
+            raise ValueError(f"sha256 {value!r} is not 64 lowercase hex digits")
+        return value
+
+    def path(self, base: Path | None = None) -> Path:
+        """The local file this version loads from; relative paths resolve against ``base``."""
+        parsed = urlparse(self.uri)
+        raw = unquote(parsed.path) if parsed.scheme == "file" else self.uri
+        path = Path(raw)
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        return path
+
+
+class RoutingSpec(_Strict):
+    """Where the user key comes from and how it is hashed."""
+
+    header: str = Field(default="X-User-Id", description="Request header that carries the user key.")
+    parameter: str = Field(
+        default="user_id", description="OIP request parameter used as the key when the header is absent."
+    )
+    salt: str | None = Field(default=None, description="Hash salt; defaults to the model name.")
+
+    @field_validator("header")
+    @classmethod
+    def _header_is_token(cls, value: str) -> str:
+        if not HEADER_NAME.match(value):
+            raise ValueError(f"header {value!r} is not a valid HTTP header name (letters, digits, '-')")
+        return value
+
+
+class ServerSpec(_Strict):
+    """Limits of the HTTP front end."""
+
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Largest accepted request body; larger gets 413."
+    )
+    threads: int = Field(default=4, ge=1, le=64, description="Inference threads (one MNN clone each).")
+    max_batch: int = Field(default=1024, ge=1, description="Largest accepted size of a dynamic batch dim.")
+
+
+class RuntimeConfig(_Strict):
+    """Everything one runtime serves: a model, its versions and the traffic split."""
+
+    model: str = Field(description="Model name used in the OIP URLs and metric labels.")
+    versions: list[VersionSpec] = Field(min_length=1, description="Every version to load.")
+    weights: dict[str, int] = Field(
+        default_factory=dict,
+        description="Percent of keyed traffic per version, 0-100, summing to 100. Empty: stable gets 100.",
+    )
+    stable: str | None = Field(
+        default=None, description="The version that owns the top buckets; defaults to the first listed."
+    )
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_name(cls, value: str) -> str:
+        if not value or len(value) > 253 or not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", value):
+            raise ValueError(f"model name {value!r} must be letters, digits, '_', '.', '-' (1-253 chars)")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RuntimeConfig:
+        names = [v.name for v in self.versions]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"versions: duplicate version names {duplicates}; each name must be unique")
+        if self.stable is not None and self.stable not in names:
+            raise ValueError(f"stable: {self.stable!r} is not a listed version; valid: {names}")
+        for name, weight in self.weights.items():
+            if name not in names:
+                raise ValueError(f"weights.{name}: {name!r} is not a listed version; valid: {names}")
+            if not 0 <= weight <= 100:
+                raise ValueError(f"weights.{name}: {weight} is outside 0-100")
+        if self.weights and sum(self.weights.values()) != 100:
+            raise ValueError(
+                f"weights: {dict(self.weights)} sum to {sum(self.weights.values())}; they must sum to 100"
+            )
+        return self
+
+    @property
+    def stable_version(self) -> str:
+        return self.stable or self.versions[0].name
+
+    @property
+    def salt(self) -> str:
+        return self.routing.salt if self.routing.salt is not None else self.model
+
+    def effective_weights(self) -> dict[str, int]:
+        """Weight of every listed version; versions absent from ``weights`` get 0."""
+        if not self.weights:
+            return {v.name: (100 if v.name == self.stable_version else 0) for v in self.versions}
+        return {v.name: self.weights.get(v.name, 0) for v in self.versions}
+
+    def version_set_digest(self) -> str:
+        """Hash of the version list alone: it changes when versions change, not when weights do."""
+        text = "\n".join(f"{v.name}\t{v.uri}\t{v.sha256 or ''}" for v in self.versions)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message (got value)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) or f"{value!r}" in msg else f" (got {value!r})"
+        lines.append(f"{loc}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+def parse_config(data: Any) -> RuntimeConfig:
+    """Validate a decoded YAML/JSON document; raise ConfigError with a readable message."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping, got {type(data).__name__}")
+    try:
+        return RuntimeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def parse_config_text(text: str) -> RuntimeConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: not valid YAML: {exc}") from None
+    return parse_config(data)
+
+
+def load_config_file(path: str | Path) -> RuntimeConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: {exc.strerror}") from None
+    return parse_config_text(text)
+
+
+def dump_config(config: RuntimeConfig) -> str:
+    """YAML text of a config, as the operator writes it into the ConfigMap."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False)

@@ -1,0 +1,103 @@
+"""Follow the routing config and hand every valid change to the registry.
+
+Outside a cluster the source is a file, polled a few times a second (a mounted ConfigMap updates
+through a symlink swap, which polling sees too). An invalid new config is refused with a logged
+reason and the current one is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import ConfigError, RuntimeConfig, parse_config_text
+
+log = logging.getLogger(__name__)
+
+Apply = Callable[[RuntimeConfig], object]
+OnResult = Callable[[str, str | None], None]
+
+
+class ConfigApplier:
+    """Parse a config text, apply it when valid and new, report the result once per text."""
+
+    def __init__(self, apply: Apply, on_result: OnResult | None = None) -> None:
+        self._apply = apply
+        self._on_result = on_result
+        self._last_digest: str | None = None
+
+    def offer(self, text: str, origin: str) -> bool:
+        """Returns True when the text was new and applied."""
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest == self._last_digest:
+            return False
+        self._last_digest = digest
+        try:
+            config = parse_config_text(text)
+        except ConfigError as exc:
+            log.error("refused new config from %s, keeping the current one: %s", origin, exc)
+            self._report("rejected", str(exc))
+            return False
+        self._apply(config)
+        log.info("applied new config from %s (weights %s)", origin, config.effective_weights())
+        self._report("applied", None)
+        return True
+
+    def _report(self, result: str, reason: str | None) -> None:
+        if self._on_result is not None:
+            self._on_result(result, reason)
+
+
+class FileConfigSource:
+    """Polls a config file; a daemon thread that stops with ``stop()``."""
+
+    def __init__(self, path: Path, applier: ConfigApplier, interval: float = 0.2) -> None:
+        self.path = path
+        self.applier = applier
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stamp: tuple[int, int, int] | None = None
+
+    def prime(self, text: str) -> None:
+        """Record the text already applied at start so it is not applied twice."""
+        self.applier._last_digest = hashlib.sha256(text.encode()).hexdigest()
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def poll_once(self) -> bool:
+        stamp = self._stat()
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            text = self.path.read_text()
+        except OSError as exc:
+            log.error("cannot read config file %s: %s", self.path, exc)
+            return False
+        return self.applier.offer(text, str(self.path))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll_once()
+            except Exception:  # the watcher must outlive any single bad update
+                log.exception("config watcher failed on an update; still watching")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="config-file-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,74 @@
+"""ONNX -> MNN conversion through MNN's C entry point.
+
+Never the ``mnnconvert`` console script or ``MNN.tools.mnnconvert``: those pip-install a logging
+SDK and send usage telemetry (FACTS.md). ``_tools.mnnconvert`` returns True even when it fails, so
+success is judged by the output file, which is written beside the destination and renamed into
+place only when it loads: a failed conversion never replaces a good model.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+class ConversionError(Exception):
+    """The source could not be converted; the message says which file and why."""
+
+
+def _run_converter(args: list[str]) -> str:
+    """Run MNNConvert with its chatter on fd 1/2 captured; returns what it printed."""
+    import _tools  # MNN's C extension; importing it sends nothing anywhere
+
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(1), os.dup(2)
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            _tools.mnnconvert(args)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        sink.seek(0)
+        return sink.read().decode(errors="replace")
+
+
+def convert(src: str | Path, dst: str | Path, weight_bits: int | None = None) -> Path:
+    """Convert ``src`` (ONNX) into ``dst`` (MNN); ``weight_bits=8`` stores int8 weights."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise ConversionError(f"source {str(src)!r} does not exist or is not a file")
+    if weight_bits is not None and weight_bits not in (2, 3, 4, 5, 6, 7, 8):
+        raise ConversionError(f"--weight-bits {weight_bits} is not valid; valid: 2-8")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    tmp.unlink()
+    args = ["MNNConvert", "-f", "ONNX", "--modelFile", str(src), "--MNNModel", str(tmp), "--bizCode", "mnn-rollout"]
+    if weight_bits is not None:
+        args += ["--weightQuantBits", str(weight_bits)]
+    try:
+        printed = _run_converter(args)
+        if not tmp.is_file() or tmp.stat().st_size == 0 or "Converted Success" not in printed:
+            tail = " | ".join(line.strip() for line in printed.splitlines()[-5:] if line.strip())
+            raise ConversionError(
+                f"converting {str(src)!r} produced no model; is it an ONNX file? converter said: {tail or 'nothing'}"
+            )
+        _check_loads(tmp)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
+
+
+def _check_loads(path: Path) -> None:
+    from .model import LoadedModel, ModelLoadError
+
+    try:
+        LoadedModel.load(path)
+    except ModelLoadError as exc:
+        raise ConversionError(f"converted model does not load: {exc.reason}") from None

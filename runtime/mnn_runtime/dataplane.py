@@ -1,0 +1,232 @@
+"""Inference, metadata and health logic shared by every front end (REST now, gRPC later).
+
+Front ends translate their protocol into these calls and render ``InferenceError`` as their own
+error shape; nothing here knows about HTTP beyond the header names of the routing contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from . import __version__
+from .codec import check_against_spec, decode_tensor, encode_output, to_array
+from .errors import BadRequest, InferenceError, ModelNotFound
+from .metrics import UNROUTED, RuntimeMetrics, outcome_of
+from .registry import Registry, Snapshot, VersionState
+
+log = logging.getLogger(__name__)
+
+PIN_HEADER = "x-model-version"
+VERSION_HEADER = "X-Model-Version"
+
+
+@dataclass(frozen=True)
+class InferResult:
+    status: int
+    body: bytes
+    version: str | None
+
+
+class DataPlane:
+    """The OIP v2 operations over the registry's current snapshot."""
+
+    def __init__(self, registry: Registry, metrics: RuntimeMetrics, threads: int) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mnn-infer")
+
+    # -- health and metadata -------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self.registry.snapshot.ready
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "mnn-rollout", "version": __version__, "extensions": ["model_version_routing"]}
+
+    def _snapshot_for(self, model: str) -> Snapshot:
+        snap = self.registry.snapshot
+        if model != snap.config.model:
+            raise ModelNotFound(f"model {model!r} does not exist; valid: [{snap.config.model!r}]")
+        return snap
+
+    def model_ready(self, model: str, version: str | None = None) -> bool:
+        snap = self._snapshot_for(model)
+        if version is None:
+            return snap.ready
+        state = snap.versions.get(version)
+        if state is None:
+            snap.version(version)  # raises VersionNotFound with the valid names
+        return bool(state and state.ready)
+
+    def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
+        snap = self._snapshot_for(model)
+        state = snap.version(version or snap.config.stable_version)
+        assert state.model is not None
+        return {
+            "name": model,
+            "versions": [name for name, v in snap.versions.items() if v.ready],
+            "platform": "mnn",
+            "inputs": [s.as_metadata() for s in state.model.inputs],
+            "outputs": [s.as_metadata() for s in state.model.outputs],
+            "parameters": {
+                "version": state.spec.name,
+                "stable_version": snap.config.stable_version,
+                "weights": snap.weights,
+                "sha256": state.model.sha256,
+            },
+        }
+
+    # -- inference -----------------------------------------------------------------------------
+
+    async def infer(
+        self, model: str, url_version: str | None, body: bytes, headers: Mapping[str, str]
+    ) -> InferResult:
+        """Route, check, run and encode one request; every outcome is counted for its version."""
+        started = time.perf_counter()
+        label = UNROUTED
+        status = 500
+        try:
+            snap = self._snapshot_for(model)
+            request, parse_error = _parse(body)
+            version = self._choose(snap, url_version, headers, request)
+            if version is not None:
+                label = version
+                self.metrics.in_flight.labels(self.metrics.model, label).inc()
+            if parse_error is not None:
+                raise parse_error
+            assert version is not None and request is not None
+            state = snap.version(version)
+            arrays, wanted = self._inputs(state, request, snap.config.server.max_batch)
+            assert state.model is not None
+            loop = asyncio.get_running_loop()
+            outputs = await loop.run_in_executor(self.executor, state.model.infer, arrays)
+            payload = _response(model, version, request.get("id"), state, outputs, wanted)
+            status = 200
+            return InferResult(200, payload, version)
+        except InferenceError as exc:
+            status = exc.status_code
+            return InferResult(status, _error_body(exc.message), None if label == UNROUTED else label)
+        except Exception as exc:  # a bug must cost one request, never the worker
+            log.exception("inference failed unexpectedly")
+            return InferResult(500, _error_body(f"internal error: {type(exc).__name__}: {exc}"), None)
+        finally:
+            if label != UNROUTED:
+                self.metrics.in_flight.labels(self.metrics.model, label).dec()
+            self.metrics.observe(label, outcome_of(status), time.perf_counter() - started)
+
+    def _choose(
+        self,
+        snap: Snapshot,
+        url_version: str | None,
+        headers: Mapping[str, str],
+        request: dict[str, Any] | None,
+    ) -> str | None:
+        """The pinned version, else the hash-routed one; None when the body is unreadable and
+        nothing else identifies the user."""
+        pinned = url_version or headers.get(PIN_HEADER)
+        if pinned:
+            snap.version(pinned)
+            return pinned
+        routing = snap.config.routing
+        key = headers.get(routing.header.lower())
+        if key is None and request is not None:
+            params = request.get("parameters")
+            value = params.get(routing.parameter) if isinstance(params, dict) else None
+            if isinstance(value, (str, int)) and not isinstance(value, bool):
+                key = str(value)
+        if key is None and request is None:
+            return None
+        return snap.table.route(key)
+
+    @staticmethod
+    def _inputs(
+        state: VersionState, request: dict[str, Any], max_batch: int
+    ) -> tuple[list[np.ndarray], list[str] | None]:
+        model = state.model
+        assert model is not None
+        raw = request.get("inputs")
+        if not isinstance(raw, list) or not raw:
+            raise BadRequest("inputs: required, a non-empty list of tensors")
+        given: dict[str, np.ndarray] = {}
+        specs = {s.name: s for s in model.inputs}
+        for i, obj in enumerate(raw):
+            where = f"inputs[{i}]"
+            name, datatype, shape, data = decode_tensor(obj, where)
+            spec = specs.get(name)
+            if spec is None:
+                raise BadRequest(f"{where}.name: {name!r} is not an input of version {state.spec.name!r}; "
+                                 f"valid: {sorted(specs)}")
+            if name in given:
+                raise BadRequest(f"{where}.name: input {name!r} is given twice")
+            arr = to_array(data, datatype, shape, where)
+            given[name] = check_against_spec(arr, datatype, spec, max_batch, where)
+        missing = [n for n in specs if n not in given]
+        if missing:
+            raise BadRequest(f"inputs: missing {missing} required by version {state.spec.name!r}")
+        batches = {given[s.name].shape[0] for s in model.inputs if s.shape and s.shape[0] == -1}
+        if len(batches) > 1:
+            raise BadRequest(f"inputs: batch sizes differ between inputs: {sorted(batches)}")
+        return [given[s.name] for s in model.inputs], _wanted_outputs(request, state)
+
+
+def _parse(body: bytes) -> tuple[dict[str, Any] | None, BadRequest | None]:
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return None, BadRequest(f"body: not valid JSON: {exc}")
+    if not isinstance(request, dict):
+        return None, BadRequest("body: expected a JSON object with 'inputs'")
+    return request, None
+
+
+def _wanted_outputs(request: dict[str, Any], state: VersionState) -> list[str] | None:
+    raw = request.get("outputs")
+    if raw is None:
+        return None
+    assert state.model is not None
+    valid = [s.name for s in state.model.outputs]
+    if not isinstance(raw, list):
+        raise BadRequest("outputs: expected a list of {\"name\": ...}")
+    names = []
+    for i, obj in enumerate(raw):
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if name not in valid:
+            raise BadRequest(f"outputs[{i}].name: {name!r} is not an output; valid: {valid}")
+        names.append(name)
+    return names
+
+
+def _response(
+    model: str,
+    version: str,
+    request_id: Any,
+    state: VersionState,
+    outputs: list[np.ndarray],
+    wanted: list[str] | None,
+) -> bytes:
+    assert state.model is not None
+    tensors = [
+        encode_output(spec.name, arr)
+        for spec, arr in zip(state.model.outputs, outputs)
+        if wanted is None or spec.name in wanted
+    ]
+    body: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": tensors}
+    if isinstance(request_id, str):
+        body["id"] = request_id
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})

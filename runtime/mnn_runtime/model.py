@@ -1,0 +1,239 @@
+"""One loaded MNN version: load and check it, a pool of clones, and a forward that cannot crash.
+
+FACTS.md rules this module keeps:
+- one runtime manager with numThread=1 (fork-safe, no hidden thread pool);
+- never two concurrent forwards on one module: every call takes its own clone from the pool;
+- inputs are checked against the model's signature before MNN sees them, and always passed as a
+  list of Vars; an empty result is an error, not a crash;
+- outputs are copied out of MNN's buffers before the Vars go away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .codec import TensorSpec
+from .errors import InferenceFailed
+
+# Input dtypes MNN's F.const takes correctly (float64 and int64 inputs are silently misread).
+_MNN_TO_OIP = {"float": "FP32", "int": "INT32", "uint8": "UINT8"}
+_OIP_TO_NUMPY = {"FP32": np.float32, "INT32": np.int32, "UINT8": np.uint8, "FP64": np.float64, "INT64": np.int64}
+
+_runtime_lock = threading.Lock()
+_runtime_manager: Any = None
+
+
+class ModelLoadError(Exception):
+    """A version that cannot be served; ``reason`` says which file and why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _mnn() -> tuple[Any, Any]:
+    import MNN.expr as F
+    import MNN.nn as nn
+
+    return nn, F
+
+
+def runtime_manager() -> Any:
+    """The process-wide CPU runtime manager with exactly one MNN thread (fork-safe)."""
+    global _runtime_manager
+    with _runtime_lock:
+        if _runtime_manager is None:
+            nn, _ = _mnn()
+            _runtime_manager = nn.create_runtime_manager(({"backend": "CPU", "numThread": 1},))
+        return _runtime_manager
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def captured_native_stdout() -> Iterator[list[str]]:
+    """Capture what MNN's C++ code prints to fd 1 (it reports missing weight files only there)."""
+    lines: list[str] = []
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(1)
+        try:
+            os.dup2(sink.fileno(), 1)
+            yield lines
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+            lines.extend(line for line in text.splitlines() if line.strip())
+            if text:
+                os.write(1, text.encode())
+
+
+class LoadedModel:
+    """A loaded, checked version with its signature and a pool of clones sharing the weights."""
+
+    def __init__(
+        self,
+        path: Path,
+        module: Any,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        input_formats: Sequence[Any],
+        load_seconds: float,
+        sha256: str,
+    ) -> None:
+        self.path = path
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.load_seconds = load_seconds
+        self.sha256 = sha256
+        self._module = module
+        self._input_formats = tuple(input_formats)
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: Path, sha256: str | None = None) -> LoadedModel:
+        """Load, verify and warm up one ``.mnn`` file, or raise ModelLoadError with the reason."""
+        started = time.perf_counter()
+        if not path.is_file():
+            raise ModelLoadError(f"model file {str(path)!r} does not exist")
+        actual = file_sha256(path)
+        if sha256 is not None and actual != sha256:
+            raise ModelLoadError(f"model file {str(path)!r} has sha256 {actual}, expected {sha256}")
+        nn, _ = _mnn()
+        module = None
+        with captured_native_stdout() as printed:
+            try:
+                module = nn.load_module_from_file(str(path), [], [], runtime_manager=runtime_manager())
+            except (SystemError, RuntimeError, ValueError):
+                module = None
+            if module is not None:
+                inputs, formats = cls._read_inputs(module, path)
+                outputs, inputs = cls._probe(module, inputs, formats, path)
+        if module is None:
+            said = f" (MNN: {'; '.join(printed)})" if printed else ""
+            raise ModelLoadError(f"model file {str(path)!r} is not a valid MNN model{said}")
+        missing = [line for line in printed if "Can't open file" in line]
+        if missing:
+            raise ModelLoadError(f"model {str(path)!r} needs a file that cannot be opened: {missing[0]}")
+        return cls(path, module, inputs, outputs, formats, time.perf_counter() - started, actual)
+
+    @staticmethod
+    def _read_inputs(module: Any, path: Path) -> tuple[list[TensorSpec], list[Any]]:
+        info = module.get_info()
+        names = list(info.get("inputNames", []))
+        variables = list(info.get("inputs", []))
+        if not names or len(names) != len(variables):
+            raise ModelLoadError(f"model {str(path)!r} declares no usable inputs")
+        specs, formats = [], []
+        for name, var in zip(names, variables):
+            datatype = _MNN_TO_OIP.get(str(var.dtype).rsplit(".", 1)[-1])
+            if datatype is None:
+                raise ModelLoadError(f"model {str(path)!r} input {name!r} has unsupported dtype {var.dtype}")
+            specs.append(TensorSpec(name, datatype, tuple(int(d) for d in var.shape)))
+            formats.append(var.data_format)
+        return specs, formats
+
+    @classmethod
+    def _probe(
+        cls, module: Any, inputs: list[TensorSpec], formats: list[Any], path: Path
+    ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """Run the model once (this also packs its weights before any fork) and find its outputs.
+
+        MNN reports a dynamic batch dimension as 1, so a second run at batch 2 tells whether
+        dimension 0 of the inputs (and which outputs) follow the batch size.
+        """
+        names = module.get_info().get("outputNames", [])
+        first = cls._run(module, [np.zeros(s.shape, _OIP_TO_NUMPY[s.datatype]) for s in inputs], formats)
+        if not first:
+            raise ModelLoadError(f"model {str(path)!r} produced no output on its declared input shapes")
+        outputs = [TensorSpec(n, _numpy_to_oip(a, path), tuple(a.shape)) for n, a in zip(names, first)]
+        if all(s.shape and s.shape[0] == 1 for s in inputs):
+            batch2 = [np.zeros((2, *s.shape[1:]), _OIP_TO_NUMPY[s.datatype]) for s in inputs]
+            second = cls._run(module, batch2, formats)
+            if second and len(second) == len(first):
+                inputs = [TensorSpec(s.name, s.datatype, (-1, *s.shape[1:])) for s in inputs]
+                outputs = [
+                    TensorSpec(o.name, o.datatype, (-1, *o.shape[1:]))
+                    if o.shape and o.shape[0] == 1 and b.shape[:1] == (2,)
+                    else o
+                    for o, b in zip(outputs, second)
+                ]
+        return outputs, inputs
+
+    @staticmethod
+    def _run(module: Any, arrays: Sequence[np.ndarray], formats: Sequence[Any]) -> list[np.ndarray]:
+        _, F = _mnn()
+        variables = [
+            F.const(arr, list(arr.shape), fmt, _mnn_dtype(F, arr.dtype)) for arr, fmt in zip(arrays, formats)
+        ]
+        results = module.forward(variables)
+        out = []
+        for var in results:
+            if var.data_format == F.NC4HW4:
+                var = F.convert(var, F.NCHW)
+            out.append(np.array(var.read(), copy=True))
+        return out
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def _acquire(self) -> Any:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._module.clone()
+
+    def _release(self, clone: Any) -> None:
+        with self._lock:
+            self._free.append(clone)
+
+    @property
+    def pool_size(self) -> int:
+        return len(self._free)
+
+    def infer(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Forward checked inputs (in ``self.inputs`` order) on a clone no one else is using."""
+        clone = self._acquire()
+        try:
+            outputs = self._run(clone, arrays, self._input_formats)
+        finally:
+            self._release(clone)
+        if len(outputs) != len(self.outputs):
+            raise InferenceFailed(f"model {self.path.name!r} returned no output for the given inputs")
+        return outputs
+
+
+def _numpy_to_oip(arr: np.ndarray, path: Path) -> str:
+    for name, dtype in _OIP_TO_NUMPY.items():
+        if arr.dtype == dtype:
+            return name
+    raise ModelLoadError(f"model {str(path)!r} has an output of unsupported dtype {arr.dtype}")
+
+
+def _mnn_dtype(F: Any, dtype: np.dtype[Any]) -> Any:
+    return {
+        np.dtype(np.float32): F.float,
+        np.dtype(np.int32): F.int,
+        np.dtype(np.uint8): F.uint8,
+        np.dtype(np.float64): F.double,
+        np.dtype(np.int64): F.int64,
+    }[np.dtype(dtype)]

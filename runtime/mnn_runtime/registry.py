@@ -1,0 +1,129 @@
+"""The versions of the model being served, and the routing over the ones that can serve.
+
+A new config is applied as one atomic swap of an immutable snapshot, after every new version has
+been loaded: load before unload, so one good copy is always there. A version whose file fails to
+load is marked failed with the reason and takes no traffic (its buckets are served by the stable
+version); if a changed file fails to load, the version keeps serving its previous file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import RuntimeConfig, VersionSpec
+from .errors import VersionNotFound, VersionNotReady
+from .metrics import RuntimeMetrics
+from .model import LoadedModel, ModelLoadError
+from .router import RoutingTable
+
+log = logging.getLogger(__name__)
+
+READY, FAILED = "ready", "failed"
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One version as the registry sees it; ``model`` is None only when it never loaded."""
+
+    spec: VersionSpec
+    state: str
+    model: LoadedModel | None = None
+    reason: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a request needs, read once per request; replaced whole, never mutated."""
+
+    config: RuntimeConfig
+    versions: dict[str, VersionState]
+    table: RoutingTable
+    weights: dict[str, int] = field(default_factory=dict)
+
+    def version(self, name: str) -> VersionState:
+        state = self.versions.get(name)
+        if state is None:
+            raise VersionNotFound(
+                f"version {name!r} of model {self.config.model!r} does not exist; "
+                f"valid: {sorted(self.versions)}"
+            )
+        if state.model is None:
+            raise VersionNotReady(f"version {name!r} is not ready: {state.reason}")
+        return state
+
+    @property
+    def ready(self) -> bool:
+        """Every version that should take traffic is loaded."""
+        return all(self.versions[name].ready for name, w in self.weights.items() if w > 0)
+
+
+def _same_file(a: VersionSpec, b: VersionSpec) -> bool:
+    return a.uri == b.uri and a.sha256 == b.sha256
+
+
+class Registry:
+    """Holds the current snapshot; ``apply`` loads what is new and swaps the snapshot."""
+
+    def __init__(self, config: RuntimeConfig, base_dir: Path | None, metrics: RuntimeMetrics) -> None:
+        self.base_dir = base_dir
+        self.metrics = metrics
+        self._apply_lock = threading.Lock()
+        self.snapshot = self._build(config, {})
+
+    def apply(self, config: RuntimeConfig) -> Snapshot:
+        """Make ``config`` current: load new or changed versions first, then swap."""
+        with self._apply_lock:
+            self.snapshot = self._build(config, self.snapshot.versions)
+            return self.snapshot
+
+    def _build(self, config: RuntimeConfig, previous: dict[str, VersionState]) -> Snapshot:
+        versions: dict[str, VersionState] = {}
+        for spec in config.versions:
+            old = previous.get(spec.name)
+            if old is not None and _same_file(old.spec, spec) and old.ready:
+                versions[spec.name] = old
+            else:
+                versions[spec.name] = self._load(spec, old)
+        weights = config.effective_weights()
+        table = RoutingTable.build(config.salt, [v.name for v in config.versions], weights, config.stable_version)
+        unavailable = {name for name, v in versions.items() if not v.ready}
+        fallback = self._fallback(config, versions, weights)
+        if unavailable and fallback is not None:
+            table = table.without(unavailable, fallback)
+        for name, state in versions.items():
+            self.metrics.set_version_state(
+                name, weights[name], state.ready, state.model.load_seconds if state.model else None
+            )
+        for name in set(previous) - set(versions):
+            self.metrics.forget_version(name)
+        return Snapshot(config=config, versions=versions, table=table, weights=weights)
+
+    def _load(self, spec: VersionSpec, old: VersionState | None) -> VersionState:
+        path = spec.path(self.base_dir)
+        try:
+            model = LoadedModel.load(path, spec.sha256)
+        except ModelLoadError as exc:
+            if old is not None and old.ready:
+                # A bad file never replaces a good one: keep serving the previous file.
+                reason = f"new file {spec.uri} not loaded, still serving {old.spec.uri}: {exc.reason}"
+                log.error("version %s: %s", spec.name, reason)
+                return VersionState(old.spec, FAILED, old.model, reason)
+            log.error("version %s failed to load: %s", spec.name, exc.reason)
+            return VersionState(spec, FAILED, None, exc.reason)
+        log.info("version %s loaded from %s in %.3f s", spec.name, path, model.load_seconds)
+        return VersionState(spec, READY, model)
+
+    @staticmethod
+    def _fallback(config: RuntimeConfig, versions: dict[str, VersionState], weights: dict[str, int]) -> str | None:
+        """Who serves the buckets of a version that cannot: stable, else the heaviest ready one."""
+        if versions[config.stable_version].ready:
+            return config.stable_version
+        ready = [name for name, v in versions.items() if v.ready]
+        return max(ready, key=lambda n: weights[n]) if ready else None

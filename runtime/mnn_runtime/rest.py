@@ -1,0 +1,152 @@
+"""Open Inference Protocol v2 over REST: thin handlers that translate HTTP <-> the data plane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from .dataplane import VERSION_HEADER, DataPlane
+from .errors import InferenceError, PayloadTooLarge
+from .metrics import CONTENT_TYPE, RuntimeMetrics
+
+JSON = "application/json"
+
+_TENSOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "datatype", "shape", "data"],
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string", "enum": ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8",
+                                                  "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "data": {"type": "array", "description": "Flat (row-major) or nested like shape."},
+    },
+}
+_INFER_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON: {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "parameters": {"type": "object", "description": "user_id: the routing key."},
+                        "inputs": {"type": "array", "items": _TENSOR_SCHEMA},
+                        "outputs": {"type": "array", "items": {"type": "object",
+                                                                "properties": {"name": {"type": "string"}}}},
+                    },
+                }
+            }
+        },
+    },
+    "responses": {
+        "200": {"description": "Outputs; `model_version` and the X-Model-Version header name the version."},
+        "400": {"description": "Bad request: `{\"error\": ...}` names the field and value."},
+        "404": {"description": "Unknown model or version."},
+        "413": {"description": "Body larger than the configured limit."},
+        "503": {"description": "The version is not ready."},
+    },
+}
+
+
+def _json(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=body, status_code=status, media_type=JSON, headers=headers)
+
+
+def _error(exc: InferenceError) -> Response:
+    return _json(exc.status_code, orjson.dumps({"error": exc.message}))
+
+
+def _obj(payload: dict[str, Any]) -> Response:
+    return _json(200, orjson.dumps(payload))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class V2Endpoints:
+    """One method per OIP v2 REST endpoint."""
+
+    def __init__(self, dataplane: DataPlane, metrics: RuntimeMetrics) -> None:
+        self.dataplane = dataplane
+        self.metrics = metrics
+
+    async def live(self) -> Response:
+        return _obj({"live": self.dataplane.live()})
+
+    async def ready(self) -> Response:
+        ready = self.dataplane.ready()
+        return _json(200 if ready else 503, b'{"ready":true}' if ready else b'{"ready":false}')
+
+    async def server_metadata(self) -> Response:
+        return _obj(self.dataplane.server_metadata())
+
+    async def model_metadata(self, model_name: str, version: str | None = None) -> Response:
+        try:
+            return _obj(self.dataplane.model_metadata(model_name, version))
+        except InferenceError as exc:
+            return _error(exc)
+
+    async def model_ready(self, model_name: str, version: str | None = None) -> Response:
+        try:
+            ready = self.dataplane.model_ready(model_name, version)
+        except InferenceError as exc:
+            return _error(exc)
+        return _obj({"name": model_name, "ready": ready}) if ready else _json(
+            503, b'{"ready":false}'
+        )
+
+    async def infer(self, request: Request, model_name: str, version: str | None = None) -> Response:
+        limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
+        try:
+            body = await read_body(request, limit)
+        except InferenceError as exc:
+            return _error(exc)
+        result = await self.dataplane.infer(model_name, version, body, request.headers)
+        headers = {VERSION_HEADER: result.version} if result.version else None
+        return _json(result.status, result.body, headers)
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def create_app(dataplane: DataPlane, metrics: RuntimeMetrics) -> FastAPI:
+    """Build the app and register every route explicitly."""
+    app = FastAPI(title="mnn-rollout runtime", version="v2", docs_url=None, redoc_url=None)
+    ep = V2Endpoints(dataplane, metrics)
+    app.add_api_route("/v2/health/live", ep.live, methods=["GET"])
+    app.add_api_route("/v2/health/ready", ep.ready, methods=["GET"])
+    app.add_api_route("/v2", ep.server_metadata, methods=["GET"])
+    app.add_api_route("/v2/models/{model_name}", ep.model_metadata, methods=["GET"])
+    app.add_api_route("/v2/models/{model_name}/versions/{version}", ep.model_metadata, methods=["GET"])
+    app.add_api_route("/v2/models/{model_name}/ready", ep.model_ready, methods=["GET"])
+    app.add_api_route("/v2/models/{model_name}/versions/{version}/ready", ep.model_ready, methods=["GET"])
+    app.add_api_route("/v2/models/{model_name}/infer", ep.infer, methods=["POST"], openapi_extra=_INFER_OPENAPI)
+    app.add_api_route(
+        "/v2/models/{model_name}/versions/{version}/infer", ep.infer, methods=["POST"],
+        openapi_extra=_INFER_OPENAPI,
+    )
+    app.add_api_route("/metrics", ep.metrics_endpoint, methods=["GET"], include_in_schema=False)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+            return _json(400, orjson.dumps({"error": str(exc.errors())}))
+
+    return app

@@ -1,0 +1,1 @@
+"""Kubernetes API emulator test bed (see emulator.py)."""

@@ -1,0 +1,66 @@
+"""Kubernetes API errors, rendered as real ``Status`` objects (apiVersion v1, kind Status)."""
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.details = details
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            'kind': 'Status', 'apiVersion': 'v1', 'metadata': {},
+            'status': 'Failure', 'message': self.message, 'reason': self.reason, 'code': self.code,
+        }
+        if self.details:
+            status['details'] = self.details
+        return status
+
+    @classmethod
+    def not_found(cls, group_resource: str, name: str, kind: str = '') -> 'ApiError':
+        group, _, plural = _split(group_resource)
+        return cls(404, 'NotFound', f'{group_resource} "{name}" not found',
+                   {'name': name, 'group': group, 'kind': plural})
+
+    @classmethod
+    def already_exists(cls, group_resource: str, name: str) -> 'ApiError':
+        group, _, plural = _split(group_resource)
+        return cls(409, 'AlreadyExists', f'{group_resource} "{name}" already exists',
+                   {'name': name, 'group': group, 'kind': plural})
+
+    @classmethod
+    def conflict(cls, group_resource: str, name: str, why: str | None = None) -> 'ApiError':
+        group, _, plural = _split(group_resource)
+        why = why or 'the object has been modified; please apply your changes to the latest version and try again'
+        return cls(409, 'Conflict', f'Operation cannot be fulfilled on {group_resource} "{name}": {why}',
+                   {'name': name, 'group': group, 'kind': plural})
+
+    @classmethod
+    def invalid(cls, kind_group: str, name: str, causes: list[tuple[str, str]]) -> 'ApiError':
+        """causes: (field, message) pairs."""
+        text = '; '.join(f'{field}: {msg}' if field else msg for field, msg in causes)
+        group = kind_group.split('.', 1)[1] if '.' in kind_group else ''
+        return cls(422, 'Invalid', f'{kind_group} "{name}" is invalid: {text}', {
+            'name': name, 'group': group, 'kind': kind_group.split('.', 1)[0],
+            'causes': [{'reason': 'FieldValueInvalid', 'message': msg, 'field': field} for field, msg in causes],
+        })
+
+    @classmethod
+    def bad_request(cls, message: str) -> 'ApiError':
+        return cls(400, 'BadRequest', message)
+
+    @classmethod
+    def method_not_allowed(cls) -> 'ApiError':
+        return cls(405, 'MethodNotAllowed', 'the server does not allow this method on the requested resource')
+
+    @classmethod
+    def gone(cls, message: str) -> 'ApiError':
+        return cls(410, 'Expired', message)
+
+
+def _split(group_resource: str) -> tuple[str, str, str]:
+    plural, _, group = group_resource.partition('.')
+    return group, '', plural

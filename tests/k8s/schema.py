@@ -1,0 +1,178 @@
+"""
+Structural-schema handling for custom resources, like the API server does it on every write:
+defaulting (``default``), pruning of unknown fields (unless ``x-kubernetes-preserve-unknown-fields``)
+and the common OpenAPI validations (type, nullable, enum, required, minimum/maximum, exclusive
+bounds, minLength/maxLength, pattern, minItems/maxItems, maxProperties/minProperties,
+x-kubernetes-int-or-string, x-kubernetes-embedded-resource). Not done: CEL rules
+(``x-kubernetes-validations``), ``format`` checks, ``anyOf``/``oneOf``/``not``, list-type/map-keys
+uniqueness. A write that fails validation is a 422 Invalid, with causes.
+"""
+import copy
+import re
+from typing import Any
+
+_TYPES = {
+    'object': dict, 'array': list, 'string': str, 'boolean': bool,
+}
+
+
+def prune_and_default(obj: dict[str, Any], schema: dict[str, Any] | None) -> dict[str, Any]:
+    """Return a copy with unknown fields removed and defaults filled (metadata/apiVersion/kind kept)."""
+    if not schema:
+        return obj
+    result = copy.deepcopy(obj)
+    props = schema.get('properties') or {}
+    for key in list(result):
+        if key in ('apiVersion', 'kind', 'metadata'):
+            continue
+        if key in props:
+            result[key] = _prune(result[key], props[key])
+        elif not schema.get('x-kubernetes-preserve-unknown-fields'):
+            del result[key]
+    _apply_defaults(result, schema, root=True)
+    return result
+
+
+def _prune(value: Any, schema: dict[str, Any]) -> Any:
+    if isinstance(value, dict):
+        if schema.get('x-kubernetes-embedded-resource'):
+            keep = {'apiVersion', 'kind', 'metadata'}
+        else:
+            keep = set()
+        props = schema.get('properties')
+        addl = schema.get('additionalProperties')
+        if props is not None:
+            for key in list(value):
+                if key in props:
+                    value[key] = _prune(value[key], props[key])
+                elif key in keep or schema.get('x-kubernetes-preserve-unknown-fields'):
+                    continue
+                elif isinstance(addl, dict):
+                    value[key] = _prune(value[key], addl)
+                else:
+                    del value[key]
+        elif isinstance(addl, dict):
+            for key in list(value):
+                value[key] = _prune(value[key], addl)
+        elif not schema.get('x-kubernetes-preserve-unknown-fields') and schema.get('type') == 'object':
+            for key in list(value):
+                if key not in keep:
+                    del value[key]
+        _apply_defaults(value, schema)
+    elif isinstance(value, list) and isinstance(schema.get('items'), dict):
+        return [_prune(item, schema['items']) for item in value]
+    return value
+
+
+def _apply_defaults(value: dict[str, Any], schema: dict[str, Any], root: bool = False) -> None:
+    for key, sub in (schema.get('properties') or {}).items():
+        if root and key in ('apiVersion', 'kind', 'metadata'):
+            continue
+        if key not in value and 'default' in sub:
+            value[key] = _prune(copy.deepcopy(sub['default']), sub)
+
+
+def validate(obj: dict[str, Any], schema: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Return (field path, message) pairs; empty when valid."""
+    if not schema:
+        return []
+    errors: list[tuple[str, str]] = []
+    for key, sub in (schema.get('properties') or {}).items():
+        if key in ('apiVersion', 'kind', 'metadata'):
+            continue
+        if key in obj:
+            _validate(obj[key], sub, key, errors)
+    for key in schema.get('required') or []:
+        if key not in obj:
+            errors.append((key, 'Required value'))
+    return errors
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return 'null'
+    if isinstance(value, bool):
+        return 'boolean'
+    if isinstance(value, int):
+        return 'integer'
+    if isinstance(value, float):
+        return 'number'
+    if isinstance(value, str):
+        return 'string'
+    if isinstance(value, list):
+        return 'array'
+    return 'object'
+
+
+def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
+    expected = schema.get('type')
+    if schema.get('x-kubernetes-int-or-string'):
+        return isinstance(value, (int, str)) and not isinstance(value, bool)
+    if expected is None:
+        return True
+    if expected == 'integer':
+        return isinstance(value, int) and not isinstance(value, bool) or (
+            isinstance(value, float) and value.is_integer())
+    if expected == 'number':
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _TYPES.get(expected, object))
+
+
+def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[str, str]]) -> None:
+    if value is None:
+        if not schema.get('nullable') and schema.get('type'):
+            errors.append((path, f'Invalid value: "null": {path} in body must be of type {schema["type"]}: "null"'))
+        return
+    if not _type_ok(value, schema):
+        errors.append((path, f'Invalid value: "{_type_name(value)}": {path} in body must be of type '
+                             f'{schema.get("type", "int-or-string")}: "{_type_name(value)}"'))
+        return
+    if 'enum' in schema and value not in schema['enum']:
+        allowed = ', '.join(f'"{v}"' if isinstance(v, str) else str(v) for v in schema['enum'])
+        errors.append((path, f'Unsupported value: {value!r}: supported values: {allowed}'))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if 'minimum' in schema:
+            bad = value <= schema['minimum'] if schema.get('exclusiveMinimum') else value < schema['minimum']
+            if bad:
+                errors.append((path, f'Invalid value: {value}: {path} in body should be greater than or equal '
+                                     f'to {schema["minimum"]}'))
+        if 'maximum' in schema:
+            bad = value >= schema['maximum'] if schema.get('exclusiveMaximum') else value > schema['maximum']
+            if bad:
+                errors.append((path, f'Invalid value: {value}: {path} in body should be less than or equal '
+                                     f'to {schema["maximum"]}'))
+    if isinstance(value, str):
+        if 'minLength' in schema and len(value) < schema['minLength']:
+            errors.append((path, f'Invalid value: "{value}": {path} in body should be at least '
+                                 f'{schema["minLength"]} chars long'))
+        if 'maxLength' in schema and len(value) > schema['maxLength']:
+            errors.append((path, f'Too long: may not be more than {schema["maxLength"]} bytes'))
+        if 'pattern' in schema and not re.search(schema['pattern'], value):
+            errors.append((path, f'Invalid value: "{value}": {path} in body should match \'{schema["pattern"]}\''))
+    if isinstance(value, list):
+        if 'minItems' in schema and len(value) < schema['minItems']:
+            errors.append((path, f'Invalid value: {len(value)}: {path} in body should have at least '
+                                 f'{schema["minItems"]} items'))
+        if 'maxItems' in schema and len(value) > schema['maxItems']:
+            errors.append((path, f'Too many: {len(value)}: must have at most {schema["maxItems"]} items'))
+        if isinstance(schema.get('items'), dict):
+            for n, item in enumerate(value):
+                _validate(item, schema['items'], f'{path}[{n}]', errors)
+    if isinstance(value, dict):
+        if 'minProperties' in schema and len(value) < schema['minProperties']:
+            errors.append((path, f'Invalid value: {len(value)}: {path} in body should have at least '
+                                 f'{schema["minProperties"]} properties'))
+        if 'maxProperties' in schema and len(value) > schema['maxProperties']:
+            errors.append((path, f'Too many: {len(value)}: must have at most {schema["maxProperties"]} items'))
+        props = schema.get('properties') or {}
+        for key, sub in props.items():
+            if key in value:
+                _validate(value[key], sub, f'{path}.{key}', errors)
+        addl = schema.get('additionalProperties')
+        if isinstance(addl, dict):
+            for key, item in value.items():
+                if key not in props:
+                    _validate(item, addl, f'{path}.{key}', errors)
+        for key in schema.get('required') or []:
+            if key not in value:
+                errors.append((f'{path}.{key}', 'Required value'))

@@ -1,0 +1,345 @@
+"""
+The object store: the semantics of writes (create / update / patch / status / delete), a global
+resourceVersion counter, a bounded event history for resumable watches, finalizers, namespace
+termination and garbage collection. Every operation is synchronous (no ``await`` inside), so it is
+atomic on the event loop: a watch registered in the same step as a list can never miss an event.
+"""
+import collections
+import copy
+import dataclasses
+import datetime
+import random
+import re
+import uuid
+from typing import Any, Callable
+
+from . import patching, schema
+from .errors import ApiError
+from .lifecycle import Lifecycle
+from .resources import Registry, ResourceDef
+
+Key = tuple[str, str, str, str]  # (group, plural, namespace or '', name)
+INITIAL_NAMESPACES = ('default', 'kube-system', 'kube-public', 'kube-node-lease')
+_META_KEYS = {'name', 'generateName', 'namespace', 'uid', 'resourceVersion', 'generation', 'creationTimestamp',
+              'deletionTimestamp', 'deletionGracePeriodSeconds', 'labels', 'annotations', 'ownerReferences',
+              'finalizers', 'managedFields', 'selfLink'}
+_NAME_RE = re.compile(r'[a-z0-9]([-a-z0-9.]*[a-z0-9])?')
+_LABEL_VALUE_RE = re.compile(r'(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')
+_LABEL_NAME_RE = re.compile(r'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    rv: int
+    group: str
+    plural: str
+    type: str  # ADDED / MODIFIED / DELETED
+    object: dict[str, Any]
+    old: dict[str, Any] | None = None  # the previous state, for MODIFIED (selector transitions)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ')
+
+
+class Store(Lifecycle):
+    def __init__(self, registry: Registry, history_size: int = 10000) -> None:
+        self.registry = registry
+        self.rv = 0
+        self.objects: dict[Key, dict[str, Any]] = {}
+        self.history: collections.deque[Event] = collections.deque(maxlen=max(1, history_size))
+        self.policies: dict[Key, str] = {}  # deletion propagation remembered until finalizers clear
+        self.compacted_rv = 0  # watches from an older resourceVersion get 410 Gone
+        self.listeners: set[Callable[[Event], None]] = set()
+        self.schedule: Callable[[float, Callable[[], None]], None] | None = None  # set by the server
+        for name in INITIAL_NAMESPACES:
+            self.create(self.rd('', 'v1', 'namespaces'), None, {'metadata': {'name': name}})
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def rd(self, group: str, version: str, plural: str) -> ResourceDef:
+        rd = self.registry.get(group, version, plural)
+        if rd is None:
+            raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
+        return rd
+
+    @staticmethod
+    def key(rd: ResourceDef, namespace: str | None, name: str) -> Key:
+        return (rd.group, rd.plural, (namespace or '') if rd.namespaced else '', name)
+
+    def render(self, rd: ResourceDef, obj: dict[str, Any]) -> dict[str, Any]:
+        """A copy as served for this resource version (apiVersion/kind first)."""
+        body = {'apiVersion': rd.api_version, 'kind': rd.kind}
+        body.update({k: copy.deepcopy(v) for k, v in obj.items() if k not in ('apiVersion', 'kind')})
+        return body
+
+    def _emit(self, etype: str, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None = None) -> None:
+        if len(self.history) == self.history.maxlen:
+            self.compacted_rv = self.history[0].rv
+        event = Event(int(obj['metadata']['resourceVersion']), rd.group, rd.plural, etype, copy.deepcopy(obj),
+                      copy.deepcopy(old) if old is not None else None)
+        self.history.append(event)
+        for listener in list(self.listeners):
+            listener(event)
+
+    def compact(self) -> None:
+        """Forget the event history, like an etcd compaction: older watches then get 410 Gone."""
+        self.compacted_rv = self.rv
+        self.history.clear()
+
+    def _next_rv(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def find(self, rd: ResourceDef, namespace: str | None, name: str) -> dict[str, Any]:
+        obj = self.objects.get(self.key(rd, namespace, name))
+        if obj is None:
+            raise ApiError.not_found(rd.group_resource, name)
+        return obj
+
+    def get(self, rd: ResourceDef, namespace: str | None, name: str) -> dict[str, Any]:
+        return self.render(rd, self.find(rd, namespace, name))
+
+    def list(self, rd: ResourceDef, namespace: str | None,
+             match: Callable[[dict[str, Any]], bool] = lambda o: True) -> list[dict[str, Any]]:
+        items = []
+        for (group, plural, ns, _), obj in sorted(self.objects.items()):
+            if group == rd.group and plural == rd.plural and (not namespace or ns == namespace) and match(obj):
+                items.append(self.render(rd, obj))
+        return items
+
+    # --- validation ------------------------------------------------------------------------------
+
+    def _validate_meta(self, rd: ResourceDef, obj: dict[str, Any]) -> None:
+        meta = obj['metadata']
+        name = meta.get('name', '')
+        causes = []
+        if not _NAME_RE.fullmatch(name) or len(name) > 253:
+            causes.append(('metadata.name', f'Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist'
+                                            ' of lower case alphanumeric characters, \'-\' or \'.\', and must start'
+                                            ' and end with an alphanumeric character'))
+        for key, value in (meta.get('labels') or {}).items():
+            prefix, _, lname = key.rpartition('/')
+            if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE_RE.fullmatch(value):
+                causes.append((f'metadata.labels', f'Invalid value: "{value}": a valid label must be an empty string'
+                                                   ' or consist of alphanumeric characters, \'-\', \'_\' or \'.\''))
+            if len(lname) > 63 or not _LABEL_NAME_RE.fullmatch(lname) or (prefix and not _NAME_RE.fullmatch(prefix)):
+                causes.append(('metadata.labels', f'Invalid value: "{key}": name part must consist of alphanumeric'
+                                                  ' characters, \'-\', \'_\' or \'.\''))
+        for key, value in (meta.get('annotations') or {}).items():
+            if not isinstance(value, str):
+                raise ApiError.bad_request(f'annotation {key!r} must be a string')
+        if rd.custom:
+            causes += schema.validate(obj, rd.schema)
+        if causes:
+            raise ApiError.invalid(rd.kind_group, name, causes)
+
+    def _prepare(self, rd: ResourceDef, obj: dict[str, Any]) -> dict[str, Any]:
+        obj['apiVersion'], obj['kind'] = rd.api_version, rd.kind
+        obj['metadata'] = {k: v for k, v in obj['metadata'].items() if k in _META_KEYS and v is not None}
+        obj['metadata'].pop('managedFields', None)
+        obj['metadata'].pop('selfLink', None)
+        if rd.custom:
+            obj = schema.prune_and_default(obj, rd.schema)
+        self._validate_meta(rd, obj)
+        return obj
+
+    # --- create ----------------------------------------------------------------------------------
+
+    def create(self, rd: ResourceDef, namespace: str | None, body: Any, dry_run: bool = False) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise ApiError.bad_request('the request body must be a JSON object')
+        obj = copy.deepcopy(body)
+        self._check_type(rd, obj)
+        meta = obj.setdefault('metadata', {})
+        if not isinstance(meta, dict):
+            raise ApiError.bad_request('metadata must be an object')
+        if meta.get('resourceVersion'):
+            raise ApiError(500, 'InternalError', 'resourceVersion should not be set on objects to be created')
+        if rd.namespaced:
+            if not namespace:
+                raise ApiError.method_not_allowed()
+            if meta.get('namespace') and meta['namespace'] != namespace:
+                raise ApiError.bad_request('the namespace of the provided object does not match the namespace'
+                                           ' sent on the request')
+            meta['namespace'] = namespace
+            self._check_namespace(namespace, rd)
+        else:
+            meta.pop('namespace', None)
+        if not meta.get('name'):
+            if not meta.get('generateName'):
+                raise ApiError.invalid(rd.kind_group, '', [('metadata.name', 'Required value: name or generateName'
+                                                                              ' is required')])
+            alphabet = 'bcdfghjklmnpqrstvwxz2456789'
+            meta['name'] = meta['generateName'] + ''.join(random.choices(alphabet, k=5))
+        for field in ('deletionTimestamp', 'deletionGracePeriodSeconds', 'generation', 'uid', 'creationTimestamp'):
+            meta.pop(field, None)
+        if 'status' in rd.subresources:
+            obj.pop('status', None)
+        obj = self._prepare(rd, obj)
+        meta = obj['metadata']
+        key = self.key(rd, namespace, meta['name'])
+        if key in self.objects:
+            raise ApiError.already_exists(rd.group_resource, meta['name'])
+        self._admit(rd, obj, None)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_iso(), generation=1)
+        if dry_run:
+            return self.render(rd, obj)
+        meta['resourceVersion'] = self._next_rv()
+        self.objects[key] = obj
+        self._emit('ADDED', rd, obj)
+        self._after_write(rd, obj, None)
+        return self.render(rd, obj)
+
+    def _check_type(self, rd: ResourceDef, obj: dict[str, Any]) -> None:
+        if obj.get('apiVersion') and obj['apiVersion'] != rd.api_version:
+            raise ApiError.bad_request(f'the API version in the data ({obj["apiVersion"]}) does not match the'
+                                       f' expected API version ({rd.api_version})')
+        if obj.get('kind') and obj['kind'] != rd.kind:
+            raise ApiError.bad_request(f'the kind in the data ({obj["kind"]}) does not match the expected kind'
+                                       f' ({rd.kind})')
+
+    def _check_namespace(self, namespace: str, rd: ResourceDef) -> None:
+        ns = self.objects.get(('', 'namespaces', '', namespace))
+        if ns is None:
+            raise ApiError.not_found('namespaces', namespace)
+        if ns['metadata'].get('deletionTimestamp'):
+            raise ApiError(403, 'Forbidden', f'{rd.group_resource} is forbidden: unable to create new content in'
+                                             f' namespace {namespace} because it is being terminated')
+
+    def _admit(self, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """Built-in defaulting of special kinds (before the object is stored)."""
+        if (rd.group, rd.plural) == ('', 'namespaces'):
+            obj.setdefault('spec', {}).setdefault('finalizers', ['kubernetes'])
+            phase = 'Terminating' if obj['metadata'].get('deletionTimestamp') else 'Active'
+            obj['status'] = {**(obj.get('status') or {}), 'phase': phase}
+        if (rd.group, rd.plural) == ('apiextensions.k8s.io', 'customresourcedefinitions'):
+            self._admit_crd(obj)
+
+    def _admit_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd.get('spec') or {}
+        names = spec.get('names') or {}
+        expected = f'{names.get("plural")}.{spec.get("group")}'
+        if crd['metadata']['name'] != expected:
+            raise ApiError.invalid('CustomResourceDefinition.apiextensions.k8s.io', crd['metadata']['name'], [
+                ('metadata.name', f'Invalid value: "{crd["metadata"]["name"]}": must be spec.names.plural+"."+'
+                                  f'spec.group')])
+        if not names.get('kind') or not spec.get('versions'):
+            raise ApiError.invalid('CustomResourceDefinition.apiextensions.k8s.io', crd['metadata']['name'], [
+                ('spec', 'Required value: spec.names.kind and spec.versions are required')])
+        accepted = dict(names)
+        accepted.setdefault('singular', names['kind'].lower())
+        accepted.setdefault('listKind', names['kind'] + 'List')
+        ts = now_iso()
+        storage = [v['name'] for v in spec['versions'] if v.get('storage')]
+        crd['status'] = {
+            'acceptedNames': accepted,
+            'conditions': [
+                {'type': 'NamesAccepted', 'status': 'True', 'reason': 'NoConflicts', 'message': 'no conflicts found',
+                 'lastTransitionTime': ts},
+                {'type': 'Established', 'status': 'True', 'reason': 'InitialNamesAccepted',
+                 'message': 'the initial names have been accepted', 'lastTransitionTime': ts},
+            ],
+            'storedVersions': sorted(set(((crd.get('status') or {}).get('storedVersions') or []) + storage)),
+        }
+
+    def _after_write(self, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        if (rd.group, rd.plural) == ('apiextensions.k8s.io', 'customresourcedefinitions'):
+            if not obj['metadata'].get('deletionTimestamp'):
+                self.registry.register_crd(obj)
+        if obj['metadata'].get('ownerReferences') and self.schedule is not None:
+            key = self.key(rd, obj['metadata'].get('namespace'), obj['metadata']['name'])
+            self.schedule(0.2, lambda: self._collect_orphan(key))
+
+    # --- update / patch --------------------------------------------------------------------------
+
+    def update(self, rd: ResourceDef, namespace: str | None, name: str, body: Any,
+               subresource: str | None = None, dry_run: bool = False) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise ApiError.bad_request('the request body must be a JSON object')
+        old = self.find(rd, namespace, name)
+        self._check_type(rd, body)
+        meta = body.get('metadata') or {}
+        if meta.get('name') and meta['name'] != name:
+            raise ApiError.bad_request(f'the name of the object ({meta["name"]}) does not match the name on the'
+                                       f' URL ({name})')
+        if rd.namespaced and meta.get('namespace') and meta['namespace'] != namespace:
+            raise ApiError.bad_request('the namespace of the provided object does not match the namespace sent'
+                                       ' on the request')
+        return self._replace(rd, old, copy.deepcopy(body), subresource, dry_run)
+
+    def patch(self, rd: ResourceDef, namespace: str | None, name: str, content_type: str, patch: Any,
+              subresource: str | None = None, dry_run: bool = False) -> dict[str, Any]:
+        old = self.find(rd, namespace, name)
+        patched = patching.apply_patch(content_type, self.render(rd, old), patch, custom=rd.custom)
+        meta = patched.setdefault('metadata', {}) if isinstance(patched.get('metadata'), dict) else None
+        if meta is None:
+            raise ApiError.bad_request('metadata must be an object')
+        if not meta.get('resourceVersion'):
+            meta['resourceVersion'] = old['metadata']['resourceVersion']
+        self._check_type(rd, patched)
+        return self._replace(rd, old, patched, subresource, dry_run)
+
+    def _replace(self, rd: ResourceDef, old: dict[str, Any], new: dict[str, Any],
+                 subresource: str | None, dry_run: bool) -> dict[str, Any]:
+        old_meta = old['metadata']
+        name = old_meta['name']
+        new_meta = new.get('metadata')
+        if not isinstance(new_meta, dict):
+            new_meta = new['metadata'] = {}
+        if new_meta.get('resourceVersion') and new_meta['resourceVersion'] != old_meta['resourceVersion']:
+            raise ApiError.conflict(rd.group_resource, name)
+        if new_meta.get('uid') and new_meta['uid'] != old_meta['uid']:
+            raise ApiError.conflict(rd.group_resource, name, f'Precondition failed: UID in precondition:'
+                                                             f' {new_meta["uid"]}, UID in object meta: {old_meta["uid"]}')
+        if subresource == 'status':
+            status = new.get('status')
+            new = copy.deepcopy(old)
+            new.pop('status', None)
+            if status is not None:
+                new['status'] = status
+        elif subresource:
+            raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
+        else:
+            if 'status' in rd.subresources:
+                new.pop('status', None)
+                if 'status' in old:
+                    new['status'] = copy.deepcopy(old['status'])
+            for field in ('name', 'namespace', 'uid', 'creationTimestamp', 'deletionTimestamp',
+                          'deletionGracePeriodSeconds', 'generation'):
+                if field in old_meta:
+                    new_meta[field] = old_meta[field]
+                else:
+                    new_meta.pop(field, None)
+            if old_meta.get('deletionTimestamp'):
+                added = set(new_meta.get('finalizers') or []) - set(old_meta.get('finalizers') or [])
+                if added:
+                    raise ApiError(422, 'Forbidden', f'{rd.group_resource} "{name}" is forbidden: no new finalizers'
+                                                     f' can be added if the object is being deleted, found new'
+                                                     f' finalizers {sorted(added)}')
+        new['metadata']['resourceVersion'] = old_meta['resourceVersion']
+        new = self._prepare(rd, new)
+        self._admit(rd, new, old)
+        if self._spec_changed(rd, old, new):
+            new['metadata']['generation'] = old_meta.get('generation', 1) + 1
+        if new == old:
+            return self.render(rd, old)  # a no-op write: no new resourceVersion, no watch event
+        if dry_run:
+            return self.render(rd, new)
+        new['metadata']['resourceVersion'] = self._next_rv()
+        key = self.key(rd, old_meta.get('namespace'), name)
+        self.objects[key] = new
+        if new['metadata'].get('deletionTimestamp') and not self._blockers(rd, new):
+            self._finalize(key)
+        else:
+            self._emit('MODIFIED', rd, new, old)
+            self._after_write(rd, new, old)
+        return self.render(rd, new)
+
+    @staticmethod
+    def _spec_changed(rd: ResourceDef, old: dict[str, Any], new: dict[str, Any]) -> bool:
+        skip = {'metadata', 'apiVersion', 'kind'}
+        if not rd.custom or 'status' in rd.subresources:
+            skip.add('status')
+        pick = lambda obj: {k: v for k, v in obj.items() if k not in skip}  # noqa: E731
+        return pick(old) != pick(new)

@@ -1,0 +1,62 @@
+"""/metrics, read with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.runtime_server import RuntimeServer
+
+BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+def test_every_child_exists_at_zero_before_the_first_request(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    text = httpx.get(server.url + "/metrics").text
+    for version in ("v1", "v2"):
+        for outcome in ("success", "client_error", "server_error"):
+            assert value(text, "mnn_inference_requests_total", model="scorer", version=version, outcome=outcome) == 0
+        assert value(text, "mnn_inference_duration_seconds_count", model="scorer", version=version) == 0
+        assert value(text, "mnn_inference_in_flight_requests", model="scorer", version=version) == 0
+        assert value(text, "mnn_version_loaded", model="scorer", version=version) == 1
+        assert value(text, "mnn_version_load_duration_seconds", model="scorer", version=version) > 0
+    assert value(text, "mnn_version_traffic_weight_ratio", model="scorer", version="v1") == 0.9
+    assert value(text, "mnn_version_traffic_weight_ratio", model="scorer", version="v2") == 0.1
+    buckets = {dict(k[1])["le"] for k in samples(text) if k[0] == "mnn_inference_duration_seconds_bucket"}
+    assert {"0.0005", "10.0", "+Inf"} <= buckets
+
+
+def test_requests_are_counted_by_version_and_outcome(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    with httpx.Client(base_url=server.url) as c:
+        for _ in range(7):
+            assert c.post("/v2/models/scorer/versions/v2/infer", json=BODY).status_code == 200
+        for _ in range(3):
+            bad = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 80], "data": [0.5] * 80}]}
+            assert c.post("/v2/models/scorer/versions/v2/infer", json=bad).status_code == 400
+        for _ in range(2):
+            assert c.post("/v2/models/scorer/infer", content=b"{oops").status_code == 400
+        for _ in range(5):
+            assert c.post("/v2/models/scorer/versions/v1/infer", json=BODY).status_code == 200
+        text = c.get("/metrics").text
+    assert value(text, "mnn_inference_requests_total", model="scorer", version="v2", outcome="success") == 7
+    assert value(text, "mnn_inference_requests_total", model="scorer", version="v2", outcome="client_error") == 3
+    assert value(text, "mnn_inference_requests_total", model="scorer", version="v1", outcome="success") == 5
+    assert value(text, "mnn_inference_requests_total", model="scorer", version="unrouted", outcome="client_error") == 2
+    assert value(text, "mnn_inference_duration_seconds_count", model="scorer", version="v2") == 7
+    assert value(text, "mnn_inference_duration_seconds_sum", model="scorer", version="v2") > 0
+    assert value(text, "mnn_inference_in_flight_requests", model="scorer", version="v2") == 0

@@ -1,0 +1,100 @@
+"""Loading real .mnn files: failures carry reasons, the signature is right, clones never mix outputs."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mnn_runtime.model import LoadedModel, ModelLoadError
+
+
+def test_the_example_scorer_has_a_dynamic_batch_and_its_declared_signature(examples_dir: Path) -> None:
+    model = LoadedModel.load(examples_dir / "v1.mnn")
+    assert [(s.name, s.datatype, s.shape) for s in model.inputs] == [("features", "FP32", (-1, 64))]
+    assert [(s.name, s.datatype, s.shape) for s in model.outputs] == [("scores", "FP32", (-1, 32))]
+    out = model.infer([np.ones((5, 64), np.float32)])
+    assert out[0].shape == (5, 32)
+    assert np.all((out[0] > 0) & (out[0] < 1))  # sigmoid scores
+
+
+def test_v2_breaking_declares_its_wider_input(examples_dir: Path) -> None:
+    model = LoadedModel.load(examples_dir / "v2-breaking.mnn")
+    assert model.inputs[0].shape == (-1, 80)
+
+
+def test_a_missing_file_is_reported_with_its_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"'.*nope\.mnn' does not exist"):
+        LoadedModel.load(tmp_path / "nope.mnn")
+
+
+def test_a_truncated_file_is_reported_not_a_crash(tmp_path: Path, examples_dir: Path) -> None:
+    bad = tmp_path / "v1.mnn"
+    bad.write_bytes((examples_dir / "v1.mnn").read_bytes()[:50_000])
+    with pytest.raises(ModelLoadError, match="is not a valid MNN model"):
+        LoadedModel.load(bad)
+
+
+def test_a_file_that_is_not_a_model_is_reported(tmp_path: Path) -> None:
+    bad = tmp_path / "v1.mnn"
+    bad.write_text("this is not a model\n")
+    with pytest.raises(ModelLoadError, match="is not a valid MNN model"):
+        LoadedModel.load(bad)
+
+
+def test_a_sha256_mismatch_is_reported_with_both_digests(tmp_path: Path, examples_dir: Path) -> None:
+    path = examples_dir / "v1.mnn"
+    with pytest.raises(ModelLoadError, match=r"has sha256 [0-9a-f]{64}, expected 0{64}"):
+        LoadedModel.load(path, sha256="0" * 64)
+
+
+def test_a_missing_external_weight_file_is_reported(tmp_path: Path) -> None:
+    from mnn_runtime.convert import _run_converter
+    from mnn_runtime.examples import EXAMPLES, scorer_onnx
+
+    import onnx
+
+    src = tmp_path / "v1.onnx"
+    onnx.save(scorer_onnx(EXAMPLES[0]), src)
+    dst = tmp_path / "ext.mnn"
+    _run_converter(["MNNConvert", "-f", "ONNX", "--modelFile", str(src), "--MNNModel", str(dst),
+                    "--saveExternalData"])
+    assert (tmp_path / "ext.mnn.weight").is_file()
+    LoadedModel.load(dst)  # loads with its weight file
+    (tmp_path / "ext.mnn.weight").unlink()
+    with pytest.raises(ModelLoadError, match=r"needs a file that cannot be opened: .*ext\.mnn\.weight"):
+        LoadedModel.load(dst)
+
+
+def test_concurrent_requests_each_get_their_own_output(examples_dir: Path) -> None:
+    """FACTS.md: one module used from two threads returns the other thread's output. The clone
+    pool must make that impossible."""
+    model = LoadedModel.load(examples_dir / "v1.mnn")
+    rng = np.random.default_rng(0)
+    inputs = [rng.random((1, 64), dtype=np.float32) for _ in range(8)]
+    expected = [model.infer([x])[0] for x in inputs]
+    mismatches: list[int] = []
+
+    def worker(i: int) -> None:
+        for _ in range(300):
+            if not np.array_equal(model.infer([inputs[i]])[0], expected[i]):
+                mismatches.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mismatches == []
+    assert 1 <= model.pool_size <= 8
+
+
+def test_int8_weights_v2_differs_from_v1_but_has_the_same_interface(examples_dir: Path) -> None:
+    v1 = LoadedModel.load(examples_dir / "v1.mnn")
+    v2 = LoadedModel.load(examples_dir / "v2.mnn")
+    assert v1.inputs == v2.inputs and v1.outputs == v2.outputs
+    x = np.ones((1, 64), np.float32)
+    assert not np.allclose(v1.infer([x])[0], v2.infer([x])[0])
+    assert (examples_dir / "v2.mnn").stat().st_size * 3 < (examples_dir / "v1.mnn").stat().st_size

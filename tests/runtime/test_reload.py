@@ -1,0 +1,146 @@
+"""Routing changes live: new weights within 2 s, no dropped request, bad configs refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import yaml
+
+from mnn_runtime.router import RoutingTable
+from tests.runtime_server import RuntimeServer
+
+INFER = "/v2/models/scorer/infer"
+BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
+KEYS = [f"user-{i}" for i in range(300)]
+
+
+def write(path: Path, config: dict[str, object]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config))
+    tmp.replace(path)  # atomic, like a ConfigMap symlink swap
+
+
+def routes(client: httpx.Client, keys: list[str] = KEYS) -> dict[str, str]:
+    return {k: client.post(INFER, json=BODY, headers={"X-User-Id": k}).headers["x-model-version"] for k in keys}
+
+
+def expected(weights: dict[str, int], keys: list[str] = KEYS) -> dict[str, str]:
+    table = RoutingTable.build("scorer", list(weights), weights, "v1")
+    return {k: table.route(k) for k in keys}
+
+
+def wait_for(check: Callable[[], bool], timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if check():
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+class Load:
+    """Steady background traffic that records every status code."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.codes: Counter[int] = Counter()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10) as c:
+            i = 0
+            deadline = time.monotonic() + 60
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                r = c.post(INFER, json=BODY, headers={"X-User-Id": f"load-{i % 500}"})
+                self.codes[r.status_code] += 1
+                i += 1
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=15)
+
+
+def test_new_weights_apply_within_seconds_without_dropping_a_request(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    with httpx.Client(base_url=server.url, timeout=10) as client, Load(server.url) as load:
+        assert routes(client) == expected({"v1": 90, "v2": 10})
+        for weights in ({"v1": 70, "v2": 30}, {"v1": 0, "v2": 100}, {"v1": 100, "v2": 0}):
+            write(model_dir / "runtime.yaml", {**config, "weights": weights})
+            took = wait_for(lambda w=weights: routes(client, KEYS[:50]) == expected(w, KEYS[:50]), timeout=10)
+            assert routes(client) == expected(weights)
+            print(f"weights {weights} applied in {took:.2f} s")
+    assert set(load.codes) == {200}, load.codes
+    assert load.codes[200] > 50
+
+
+def test_an_invalid_config_is_refused_and_the_old_routing_kept(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        before = routes(client)
+        for bad in ({**config, "weights": {"v1": 120, "v2": -20}}, {**config, "weights": {"v1": 90, "v9": 10}}):
+            write(model_dir / "runtime.yaml", bad)
+            wait_for(lambda: "refused new config" in server.log() and "v9" in server.log()
+                     if "v9" in str(bad) else "refused new config" in server.log(), timeout=10)
+            assert routes(client) == before
+        (model_dir / "runtime.yaml").write_text("model: [broken\n")
+        wait_for(lambda: "not valid YAML" in server.log(), timeout=10)
+        assert routes(client) == before
+        metrics = client.get("/metrics").text
+        assert 'mnn_config_reloads_total{model="scorer",result="rejected"} 3.0' in metrics
+    assert "weights.v1: 120 is outside 0-100" in server.log()
+
+
+def test_a_version_added_live_is_loaded_before_it_takes_traffic(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    with httpx.Client(base_url=server.url, timeout=10) as client, Load(server.url) as load:
+        new = {**config, "versions": config["versions"] + [{"name": "v3", "uri": "v2-slow.mnn"}],
+               "weights": {"v1": 50, "v2": 0, "v3": 50}}
+        write(model_dir / "runtime.yaml", new)
+        wait_for(lambda: client.get("/v2/models/scorer/versions/v3/ready").status_code == 200, timeout=20)
+        table = RoutingTable.build("scorer", ["v1", "v2", "v3"], new["weights"], "v1")
+        want = {k: table.route(k) for k in KEYS}
+        wait_for(lambda: routes(client) == want, timeout=10)
+    assert set(load.codes) == {200}, load.codes
+
+
+def test_a_bad_file_for_a_serving_version_never_replaces_the_good_one(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    (model_dir / "v2-corrupt.mnn").write_bytes((model_dir / "v2.mnn").read_bytes()[:20_000])
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        good = client.post("/v2/models/scorer/versions/v2/infer", json=BODY).json()["outputs"]
+        versions = [dict(v) for v in config["versions"]]
+        versions[1] = {"name": "v2", "uri": "v2-corrupt.mnn"}
+        write(model_dir / "runtime.yaml", {**config, "versions": versions})
+        wait_for(lambda: "still serving v2.mnn" in server.log(), timeout=10)
+        r = client.post("/v2/models/scorer/versions/v2/infer", json=BODY)
+        assert r.status_code == 200 and r.json()["outputs"] == good
+        assert client.get("/v2/health/ready").status_code == 200
+
+
+def test_a_weighted_version_that_fails_to_load_sends_its_users_to_stable(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    config["versions"].append({"name": "v3", "uri": "nowhere.mnn"})
+    config["weights"] = {"v1": 70, "v2": 0, "v3": 30}
+    write(model_dir / "runtime.yaml", config)
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml", wait_ready=False)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        ready = client.get("/v2/health/ready")
+        assert ready.status_code == 503
+        served = routes(client)
+        assert set(served.values()) == {"v1"}
+        r = client.post("/v2/models/scorer/versions/v3/infer", json=BODY)
+        assert r.status_code == 503 and "nowhere.mnn" in r.json()["error"]
