@@ -10,16 +10,23 @@ from pathlib import Path
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .config import ConfigError
-    from .server import serve
+    from .server import build_runtime, build_runtime_from_configmap, serve
 
-    try:
-        serve(Path(args.config), args.host, args.port, log_level=args.log_level)
-    except ConfigError as exc:
-        print(f"error: {args.config}: {exc}", file=sys.stderr)
+    if bool(args.config) == bool(args.configmap):
+        print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
+    try:
+        if args.config:
+            runtime = build_runtime(Path(args.config))
+        else:
+            runtime = build_runtime_from_configmap(args.configmap)
+    except ConfigError as exc:
+        print(f"error: {args.config or args.configmap}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    serve(runtime, args.host, args.port, log_level=args.log_level)
     return 0
 
 
@@ -51,6 +58,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, users=args.users, workdir=args.workdir)
 
 
+def _cmd_operator(args: argparse.Namespace) -> int:
+    from rollout_operator.runner import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mnn-rollout", description="Roll out new versions of MNN models safely."
@@ -58,11 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="serve every version in a runtime config over OIP v2 REST")
-    p.add_argument("--config", required=True, help="runtime config YAML (followed for changes)")
+    p.add_argument("--config", help="runtime config YAML file (followed for changes)")
+    p.add_argument("--configmap", help="NAMESPACE/NAME of a ConfigMap holding runtime.yaml, followed "
+                                       "through the Kubernetes API (in a pod)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("operator", help="run the Kubernetes operator (kopf) for ModelDeployments")
+    from rollout_operator.runner import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_operator)
 
     p = sub.add_parser("convert", help="convert an ONNX model to MNN (safely, no telemetry)")
     p.add_argument("src", help="ONNX model file")

@@ -161,15 +161,19 @@ class RuntimeConfig(_Strict):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message (got value)``."""
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem: ``field.path: message (got value)``; ``prefix`` is put before each
+    path (the operator uses ``spec.``). Cross-field messages already start with their field."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(part) for part in err["loc"]) or "config"
+        loc = ".".join(str(part) for part in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if not loc:
+            lines.append(prefix + msg)
+            continue
         value = err.get("input")
         shown = "" if isinstance(value, dict) or f"{value!r}" in msg else f" (got {value!r})"
-        lines.append(f"{loc}: {msg}{shown}")
+        lines.append(f"{prefix}{loc}: {msg}{shown}")
     return "; ".join(lines)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .config import ConfigError, RuntimeConfig, parse_config_text
+from .kube import KubeAPI, KubeError
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +102,96 @@ class FileConfigSource:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+CONFIG_KEY = "runtime.yaml"
+
+
+def configmap_text(obj: dict[str, object], origin: str) -> str:
+    data = obj.get("data") or {}
+    if not isinstance(data, dict) or CONFIG_KEY not in data:
+        raise ConfigError(f"{origin}: has no data key {CONFIG_KEY!r}")
+    return str(data[CONFIG_KEY])
+
+
+class ConfigMapSource:
+    """Follows one ConfigMap through the Kubernetes API: a watch that resumes after disconnects.
+
+    A mounted ConfigMap volume is refreshed by the kubelet only every minute or more; a watch
+    delivers a change in milliseconds. On a broken stream it resumes from the last
+    resourceVersion; when that is too old (410 Gone) it lists again.
+    """
+
+    def __init__(self, api: KubeAPI, namespace: str, name: str, applier: ConfigApplier,
+                 watch_timeout: int = 60, retry_delay: float = 0.5) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+        self.applier = applier
+        self.watch_timeout = watch_timeout
+        self.retry_delay = retry_delay
+        self.resource_version = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def origin(self) -> str:
+        return f"configmap {self.namespace}/{self.name}"
+
+    def fetch(self) -> str:
+        """The current config text; records the resourceVersion to watch from."""
+        obj = self.api.get_configmap(self.namespace, self.name)
+        self.resource_version = str(obj.get("metadata", {}).get("resourceVersion", ""))
+        return configmap_text(obj, self.origin)
+
+    def prime(self, text: str) -> None:
+        self.applier._last_digest = hashlib.sha256(text.encode()).hexdigest()
+
+    def _relist(self) -> None:
+        self.applier.offer(self.fetch(), self.origin)
+
+    def _watch_once(self) -> None:
+        for event in self.api.watch_configmap(self.namespace, self.name, self.resource_version, self.watch_timeout):
+            obj = event.get("object", {})
+            rv = obj.get("metadata", {}).get("resourceVersion")
+            if rv:
+                self.resource_version = str(rv)
+            kind = event.get("type")
+            if kind in ("ADDED", "MODIFIED"):
+                try:
+                    self.applier.offer(configmap_text(obj, self.origin), self.origin)
+                except ConfigError as exc:
+                    log.error("refused new config from %s, keeping the current one: %s", self.origin, exc)
+            elif kind == "DELETED":
+                log.error("%s was deleted; keeping the current config", self.origin)
+            if self._stop.is_set():
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.resource_version:
+                    self._relist()
+                self._watch_once()
+            except KubeError as exc:
+                if exc.code == 410:
+                    log.info("%s: watch expired (410), listing again", self.origin)
+                    self.resource_version = ""
+                    continue
+                log.warning("%s: %s; retrying", self.origin, exc)
+                if exc.code == 404:
+                    self.resource_version = ""
+                self._stop.wait(self.retry_delay)
+            except (OSError, ValueError) as exc:  # connection dropped, bad chunk: resume from the last version
+                log.warning("%s: watch interrupted (%s); resuming", self.origin, exc)
+                self._stop.wait(self.retry_delay)
+            except Exception:
+                log.exception("%s: watcher failed; resuming", self.origin)
+                self._stop.wait(self.retry_delay)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="configmap-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -88,6 +88,23 @@ class DataPlane:
             },
         }
 
+    def model_status(self, model: str) -> dict[str, Any]:
+        """Every listed version's state, reason and weight (an mnn-rollout extension of OIP,
+        read by the operator to report per-version readiness across pods)."""
+        snap = self._snapshot_for(model)
+        return {
+            "name": model,
+            "ready": snap.ready,
+            "stable_version": snap.config.stable_version,
+            "weights": snap.weights,
+            "versions_digest": snap.config.version_set_digest(),
+            "versions": {
+                name: {"ready": v.ready, "state": v.state, "reason": v.reason, "uri": v.spec.uri,
+                       "sha256": v.model.sha256 if v.model else None}
+                for name, v in snap.versions.items()
+            },
+        }
+
     # -- inference -----------------------------------------------------------------------------
 
     async def infer(

@@ -113,6 +113,12 @@ class V2Endpoints:
             503, b'{"ready":false}'
         )
 
+    async def model_status(self, model_name: str) -> Response:
+        try:
+            return _obj(self.dataplane.model_status(model_name))
+        except InferenceError as exc:
+            return _error(exc)
+
     async def infer(self, request: Request, model_name: str, version: str | None = None) -> Response:
         limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
         try:
@@ -137,6 +143,8 @@ def create_app(dataplane: DataPlane, metrics: RuntimeMetrics) -> FastAPI:
     app.add_api_route("/v2/models/{model_name}", ep.model_metadata, methods=["GET"])
     app.add_api_route("/v2/models/{model_name}/versions/{version}", ep.model_metadata, methods=["GET"])
     app.add_api_route("/v2/models/{model_name}/ready", ep.model_ready, methods=["GET"])
+    app.add_api_route("/v2/models/{model_name}/status", ep.model_status, methods=["GET"],
+                      summary="mnn-rollout extension: state, reason and weight of every version")
     app.add_api_route("/v2/models/{model_name}/versions/{version}/ready", ep.model_ready, methods=["GET"])
     app.add_api_route("/v2/models/{model_name}/infer", ep.infer, methods=["POST"], openapi_extra=_INFER_OPENAPI)
     app.add_api_route(

@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
 
-from .config import RuntimeConfig, parse_config_text
-from .config_source import ConfigApplier, FileConfigSource
+from .config import ConfigError, RuntimeConfig, parse_config_text
+from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from .dataplane import DataPlane
+from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
 from .registry import Registry
 from .rest import create_app
 
 log = logging.getLogger(__name__)
+
+
+class Source(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def prime(self, text: str) -> None: ...
 
 
 @dataclass
@@ -33,37 +43,69 @@ class Runtime:
     metrics: RuntimeMetrics
     dataplane: DataPlane
     app: FastAPI
-    source: FileConfigSource
+    source: Source
 
     def close(self) -> None:
         self.source.stop()
         self.dataplane.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def build_runtime(config_path: Path, poll_interval: float = 0.2) -> Runtime:
-    """Load the config file and every version in it; raises ConfigError on an invalid file."""
-    text = config_path.read_text()
+def _applier(metrics: RuntimeMetrics, registry: Registry, model: str) -> ConfigApplier:
+    def on_result(result: str, reason: str | None) -> None:
+        metrics.config_reloads.labels(model, result).inc()
+
+    return ConfigApplier(registry.apply, on_result)
+
+
+def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApplier], Source]) -> Runtime:
     config = parse_config_text(text)
     metrics = RuntimeMetrics(config.model)
-    registry = Registry(config, config_path.parent, metrics)
+    registry = Registry(config, base_dir, metrics)
     for name, state in registry.snapshot.versions.items():
         if not state.ready:
             log.error("version %s is not serving: %s", name, state.reason)
-
-    def on_result(result: str, reason: str | None) -> None:
-        metrics.config_reloads.labels(config.model, result).inc()
-
-    applier = ConfigApplier(registry.apply, on_result)
-    source = FileConfigSource(config_path, applier, interval=poll_interval)
+    source = make_source(_applier(metrics, registry, config.model))
     source.prime(text)
     dataplane = DataPlane(registry, metrics, config.server.threads)
-    app = create_app(dataplane, metrics)
-    return Runtime(config, registry, metrics, dataplane, app, source)
+    return Runtime(config, registry, metrics, dataplane, create_app(dataplane, metrics), source)
 
 
-def serve(config_path: Path, host: str, port: int, log_level: str = "info") -> None:
+def build_runtime(config_path: Path, poll_interval: float = 0.2) -> Runtime:
+    """Load a config file and every version in it; raises ConfigError on an invalid file."""
+    text = config_path.read_text()
+    return _assemble(text, config_path.parent,
+                     lambda applier: FileConfigSource(config_path, applier, interval=poll_interval))
+
+
+def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: float = 120) -> Runtime:
+    """Load the config held in ConfigMap ``NAMESPACE/NAME``, retrying while it does not exist yet."""
+    namespace, _, name = ref.partition("/")
+    if not namespace or not name:
+        raise ConfigError(f"--configmap {ref!r}: expected NAMESPACE/NAME")
+    api = api or KubeAPI.from_environment()
+    holder: list[ConfigMapSource] = []
+
+    def make(applier: ConfigApplier) -> ConfigMapSource:
+        holder[0].applier = applier
+        return holder[0]
+
+    probe = ConfigMapSource(api, namespace, name, ConfigApplier(lambda _: None))
+    holder.append(probe)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            text = probe.fetch()
+            break
+        except (KubeError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"configmap {ref}: cannot be read: {exc}") from None
+            log.warning("configmap %s not readable yet (%s); retrying", ref, exc)
+            time.sleep(1)
+    return _assemble(text, None, make)
+
+
+def serve(runtime: Runtime, host: str, port: int, log_level: str = "info") -> None:
     """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown."""
-    runtime = build_runtime(config_path)
     runtime.source.start()
     server = uvicorn.Server(
         uvicorn.Config(

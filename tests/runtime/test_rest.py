@@ -72,6 +72,15 @@ def test_model_readiness_per_version(client: httpx.Client) -> None:
     assert client.get("/v2/models/other/ready").status_code == 404
 
 
+def test_the_status_extension_reports_every_version_with_its_reason(client: httpx.Client) -> None:
+    status = client.get("/v2/models/scorer/status").json()
+    assert status["ready"] is True and status["weights"] == {"v1": 90, "v2": 10, "v3": 0}
+    assert status["versions"]["v1"]["ready"] is True and status["versions"]["v1"]["state"] == "ready"
+    assert status["versions"]["v3"]["ready"] is False
+    assert "missing.mnn' does not exist" in status["versions"]["v3"]["reason"]
+    assert client.get("/v2/models/other/status").status_code == 404
+
+
 def test_a_failed_version_names_its_file_and_refuses_pinned_traffic_with_503(client: httpx.Client) -> None:
     r = client.post("/v2/models/scorer/versions/v3/infer", json=body())
     assert r.status_code == 503

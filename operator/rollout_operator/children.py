@@ -1,0 +1,225 @@
+"""Render the objects a ModelDeployment owns, as plain dicts (no I/O).
+
+ConfigMap ``<name>-routing`` (the runtime config), Deployment ``<name>-runtime``, Service
+``<name>``, and a ServiceAccount, Role and RoleBinding ``<name>-runtime`` that let the runtime
+read only its own ConfigMap. Each carries ``mnnrollout.io/spec-hash``, the hash of what was
+rendered, so the operator writes a child only when its rendering changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mnn_runtime.config import RuntimeConfig, dump_config
+from mnn_runtime.config_source import CONFIG_KEY
+
+from .spec import ModelDeploymentSpec
+
+GROUP = "mnnrollout.io"
+HASH_ANNOTATION = f"{GROUP}/spec-hash"
+VERSIONS_ANNOTATION = f"{GROUP}/versions-hash"
+OWNER_LABEL = f"{GROUP}/modeldeployment"
+RUNTIME_UID = 65532
+DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the children go and what they are named after."""
+
+    name: str
+    namespace: str
+    owner: tuple[tuple[str, Any], ...] = ()  # the ownerReference, as items (hashable)
+
+    @property
+    def routing(self) -> str:
+        return f"{self.name}-routing"
+
+    @property
+    def runtime(self) -> str:
+        return f"{self.name}-runtime"
+
+
+def owner_reference(body: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The controller ownerReference to a ModelDeployment, so children are garbage-collected."""
+    meta = body["metadata"]
+    return (("apiVersion", body.get("apiVersion", f"{GROUP}/v1alpha1")), ("kind", "ModelDeployment"),
+            ("name", meta["name"]), ("uid", meta["uid"]), ("controller", True), ("blockOwnerDeletion", True))
+
+
+def labels(target: Target) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "mnn-rollout-runtime",
+        "app.kubernetes.io/instance": target.name,
+        "app.kubernetes.io/component": "runtime",
+        "app.kubernetes.io/managed-by": "mnn-rollout",
+        OWNER_LABEL: target.name,
+    }
+
+
+def selector(target: Target) -> dict[str, str]:
+    return {OWNER_LABEL: target.name, "app.kubernetes.io/component": "runtime"}
+
+
+def selector_text(target: Target) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(target).items())
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _meta(target: Target, name: str, extra_annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": target.namespace, "labels": labels(target)}
+    if target.owner:
+        meta["ownerReferences"] = [dict(target.owner)]
+    if extra_annotations:
+        meta["annotations"] = dict(extra_annotations)
+    return meta
+
+
+def stamped(obj: dict[str, Any]) -> dict[str, Any]:
+    """Add the spec-hash annotation computed over everything else."""
+    h = digest(obj)
+    obj["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = h
+    return obj
+
+
+def runtime_config(
+    spec: ModelDeploymentSpec, model: str, weights: Mapping[str, int], stable: str, versions: list[str]
+) -> RuntimeConfig:
+    """The runtime config for the versions currently routed, with the effective weights."""
+    return RuntimeConfig.model_validate({
+        "model": model,
+        "versions": [spec.version(v).model_dump(exclude_none=True) for v in versions],
+        "weights": {v: int(weights.get(v, 0)) for v in versions},
+        "stable": stable,
+        "routing": spec.routing.model_dump(exclude_none=True),
+        "server": {"max_body_bytes": spec.runtime.max_body_bytes, "threads": spec.runtime.threads},
+    })
+
+
+def render_configmap(target: Target, config: RuntimeConfig) -> dict[str, Any]:
+    return stamped({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(target, target.routing),
+        "data": {CONFIG_KEY: dump_config(config)},
+    })
+
+
+def render_deployment(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig) -> dict[str, Any]:
+    rt = spec.runtime
+    pod_labels = {**rt.pod_labels, **labels(target)}
+    annotations = {
+        **rt.pod_annotations,
+        VERSIONS_ANNOTATION: config.version_set_digest(),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(rt.port),
+        "prometheus.io/path": "/metrics",
+    }
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": rt.image,
+        "command": ["mnn-rollout"],
+        "args": ["serve", "--configmap", f"$(POD_NAMESPACE)/{target.routing}", "--host", "0.0.0.0",
+                 "--port", str(rt.port)],
+        "env": [
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"},
+                           "periodSeconds": 2, "failureThreshold": 2, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
+                          "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 2},
+        "startupProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
+                         "periodSeconds": 2, "failureThreshold": 60},
+        "resources": rt.resources or DEFAULT_RESOURCES,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *rt.volume_mounts],
+    }
+    if rt.image_pull_policy:
+        container["imagePullPolicy"] = rt.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": target.runtime,
+        "automountServiceAccountToken": True,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *rt.volumes],
+    }
+    if rt.node_selector:
+        pod_spec["nodeSelector"] = dict(rt.node_selector)
+    if rt.tolerations:
+        pod_spec["tolerations"] = list(rt.tolerations)
+    return stamped({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(target, target.runtime),
+        "spec": {
+            "replicas": rt.replicas,
+            "selector": {"matchLabels": selector(target)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec},
+        },
+    })
+
+
+def render_service(target: Target, spec: ModelDeploymentSpec) -> dict[str, Any]:
+    return stamped({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(target, target.name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(target),
+            "ports": [{"name": "http", "port": spec.runtime.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def render_rbac(target: Target) -> list[dict[str, Any]]:
+    """ServiceAccount + Role + RoleBinding: get/list/watch of the routing ConfigMap only."""
+    return [
+        stamped({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(target, target.runtime)}),
+        stamped({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(target, target.runtime),
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [target.routing],
+                       "verbs": ["get", "list", "watch"]}],
+        }),
+        stamped({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(target, target.runtime),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": target.runtime},
+            "subjects": [{"kind": "ServiceAccount", "name": target.runtime, "namespace": target.namespace}],
+        }),
+    ]
+
+
+def render_all(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig) -> list[dict[str, Any]]:
+    """Every child, in creation order (RBAC before the pods that need it)."""
+    return [
+        *render_rbac(target),
+        render_configmap(target, config),
+        render_deployment(target, spec, config),
+        render_service(target, spec),
+    ]

@@ -1,0 +1,70 @@
+"""kopf registrations and startup settings only; every handler delegates to ``Reconciler``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from .children import GROUP
+from .reconcile import Outcome, Reconciler
+
+VERSION = "v1alpha1"
+PLURAL = "modeldeployments"
+log = logging.getLogger(__name__)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # kopf's own log lines as Events: warnings and errors only
+    settings.watching.server_timeout = 120
+    settings.watching.client_timeout = 150
+    settings.execution.max_workers = 32
+    if memo.get("settings_hook"):
+        memo.settings_hook(settings)
+
+
+def _post(body: kopf.Body, outcome: Outcome) -> None:
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL, backoff=1)
+@kopf.on.update(GROUP, VERSION, PLURAL, backoff=1)
+@kopf.on.resume(GROUP, VERSION, PLURAL, backoff=1)
+def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Spec or annotations changed (or the operator started): reconcile now."""
+    reconciler: Reconciler = memo.reconciler
+    _post(body, reconciler.reconcile(dict(body)))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5, backoff=1)
+def observe(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """Level-based loop: re-read the object, observe pods and metrics, reconcile; sleep until the
+    next analysis is due or the resync period passes."""
+    reconciler: Reconciler = memo.reconciler
+    while not stopped:
+        started = time.monotonic()
+        try:
+            live = reconciler.kube.get("ModelDeployment", namespace, name)
+            if live is None:
+                return
+            if not live.get("metadata", {}).get("deletionTimestamp"):
+                outcome = reconciler.reconcile(live)
+                for event in outcome.events:
+                    kopf.event(live, type=event.type, reason=event.reason, message=event.message)
+        except Exception:  # keep observing; the next pass retries
+            log.exception("reconcile of %s/%s failed; retrying", namespace, name)
+        stopped.wait(max(0.05, memo.resync_seconds - (time.monotonic() - started)))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """Children go by garbage collection (owner references); only drop our metric series."""
+    memo.reconciler.metrics.forget(namespace, name)

@@ -1,0 +1,101 @@
+"""Observe the runtime pods: which are ready, and which versions each has loaded (and why not).
+
+Each pod answers ``GET /v2/models/{model}/status`` with every version's state and reason. The
+scrape is concurrent and bounded by a short timeout so that one stuck pod cannot stall a
+reconcile.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    ip: str | None
+    port: int
+    ready: bool  # the pod's Ready condition
+    status: dict[str, Any] | None = None  # the runtime's /status answer, None when unreachable
+    error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class VersionView:
+    name: str
+    ready_pods: int
+    pods: int
+    reason: str | None
+
+    @property
+    def ready(self) -> bool:
+        return self.pods > 0 and self.ready_pods == self.pods
+
+    def as_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "ready": self.ready, "readyPods": self.ready_pods,
+                               "pods": self.pods}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True)
+class Observation:
+    pods: list[PodView] = field(default_factory=list)
+
+    @property
+    def ready_pods(self) -> int:
+        return sum(1 for p in self.pods if p.ready)
+
+    @property
+    def answering(self) -> list[PodView]:
+        return [p for p in self.pods if p.status is not None]
+
+    def version(self, name: str) -> VersionView:
+        """A version is ready when every pod that answers has it loaded."""
+        pods = self.answering
+        ready, reason = 0, None
+        for pod in pods:
+            state = (pod.status or {}).get("versions", {}).get(name)
+            if state and state.get("ready"):
+                ready += 1
+            elif reason is None:
+                why = state.get("reason") if state else "not loaded yet"
+                reason = f"{pod.name}: {why}"
+        return VersionView(name, ready, len(pods), reason)
+
+
+def pod_views(pods: list[dict[str, Any]], port: int) -> list[PodView]:
+    views = []
+    for pod in pods:
+        meta, status = pod.get("metadata", {}), pod.get("status", {})
+        if meta.get("deletionTimestamp") or status.get("phase") not in ("Running", None):
+            continue
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions", [])}
+        views.append(PodView(meta.get("name", "?"), status.get("podIP"), port, conditions.get("Ready") == "True"))
+    return views
+
+
+def scrape(views: list[PodView], model: str, timeout: float = 1.0) -> Observation:
+    def one(view: PodView) -> PodView:
+        if not view.ip:
+            return view
+        try:
+            resp = httpx.get(f"{view.url}/v2/models/{model}/status", timeout=timeout)
+            resp.raise_for_status()
+            return PodView(view.name, view.ip, view.port, view.ready, resp.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            return PodView(view.name, view.ip, view.port, view.ready, None, str(exc) or type(exc).__name__)
+
+    if not views:
+        return Observation([])
+    with ThreadPoolExecutor(max_workers=min(16, len(views))) as pool:
+        return Observation(list(pool.map(one, views)))

@@ -1,0 +1,174 @@
+"""One reconcile of one ModelDeployment: observe, decide, write children, then status.
+
+Plain code with the Kubernetes client passed in, so kopf handlers, tests and the CLI share it.
+Order matters: children (the routing ConfigMap above all) are written before the status that
+describes them, so status never claims weights that are not being served. Nothing is written
+when nothing changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from . import children
+from .analysis import Analysis
+from .kube import KubeClient
+from .metrics import OperatorMetrics
+from .observe import Observation, pod_views, scrape
+from .rollout import ACTIONS, Event, World, decide, mark_invalid, routed_versions
+from .spec import ModelDeploymentSpec, SpecError, parse_spec
+from .status import Phase, RolloutStatus
+
+log = logging.getLogger(__name__)
+
+ACTION_ANNOTATION = f"{children.GROUP}/action"
+ALERT_ANNOTATION = f"{children.GROUP}/alert"
+
+Analyzer = Callable[[ModelDeploymentSpec, RolloutStatus, dict[str, Any], Observation, float], Analysis | None]
+
+
+@dataclass
+class Outcome:
+    status: RolloutStatus
+    events: list[Event] = field(default_factory=list)
+    children: dict[str, str] = field(default_factory=dict)
+    wrote_status: bool = False
+
+
+class Reconciler:
+    def __init__(self, kube: KubeClient, metrics: OperatorMetrics | None = None,
+                 analyzer: Analyzer | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.kube = kube
+        self.metrics = metrics or OperatorMetrics()
+        self.analyzer = analyzer
+        self.clock = clock
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, uid: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    def reconcile(self, body: dict[str, Any]) -> Outcome:
+        """Reconcile the object as given; handlers pass kopf's body, tests pass an API object."""
+        meta = body["metadata"]
+        with self._lock(meta["uid"]):
+            started = time.perf_counter()
+            try:
+                outcome = self._reconcile(body)
+            except Exception:
+                self.metrics.reconciles.labels("error").inc()
+                raise
+            finally:
+                self.metrics.reconcile_duration.observe(time.perf_counter() - started)
+            self.metrics.reconciles.labels("invalid_spec" if outcome.status.phase == Phase.INVALID_SPEC
+                                           else "ok").inc()
+            return outcome
+
+    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        now = self.clock()
+        status = RolloutStatus.from_dict(body.get("status"))
+        generation = meta.get("generation")
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError as exc:
+            return self._invalid(namespace, name, status, generation, str(exc), now)
+
+        target = children.Target(name, namespace, children.owner_reference(body))
+        model = spec.model_name(name)
+        views = pod_views(self.kube.list("Pod", namespace, children.selector_text(target)), spec.runtime.port)
+        observation = scrape(views, model)
+        annotations = meta.get("annotations") or {}
+        world = self._world(spec, status, observation, annotations)
+        analysis = self._analyse(spec, status, body, observation, now)
+        new, events = decide(spec, status, world, analysis, now)
+        new = replace(new, observed_generation=generation,
+                      versions=[observation.version(v).as_status() for v in routed_versions(spec, new)],
+                      last_action=annotations.get(ACTION_ANNOTATION, new.last_action),
+                      last_alert=annotations.get(ALERT_ANNOTATION, new.last_alert))
+        if world.action and world.action not in ACTIONS:
+            events.append(Event("Warning", "UnknownAction", f"{ACTION_ANNOTATION}: {world.action!r} is not one "
+                                                             f"of {', '.join(ACTIONS)}"))
+
+        config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
+                                         routed_versions(spec, new))
+        written = self.kube.ensure_all(children.render_all(target, spec, config))
+        events.extend(self._child_events(status, new, written))
+        wrote = self._write_status(namespace, name, body.get("status") or {}, new)
+        self._count(namespace, name, status, new, analysis, events)
+        return Outcome(new, events, written, wrote)
+
+    def _world(self, spec: ModelDeploymentSpec, status: RolloutStatus, observation: Observation,
+               annotations: dict[str, str]) -> World:
+        views = {v.name: observation.version(v.name) for v in spec.versions}
+        action = annotations.get(ACTION_ANNOTATION)
+        alert = annotations.get(ALERT_ANNOTATION)
+        return World(
+            versions_ready={k: v.ready for k, v in views.items()},
+            reasons={k: v.reason for k, v in views.items() if v.reason},
+            ready_pods=observation.ready_pods,
+            desired_pods=spec.runtime.replicas,
+            action=action.split(":", 1)[0] if action and action != status.last_action else None,
+            alert=alert.split("@", 1)[0] if alert and alert != status.last_alert else None,
+        )
+
+    def _analyse(self, spec: ModelDeploymentSpec, status: RolloutStatus, body: dict[str, Any],
+                 observation: Observation, now: float) -> Analysis | None:
+        if self.analyzer is None or not spec.canary or status.canary_version != spec.canary:
+            return None
+        if status.phase != Phase.PROGRESSING or status.canary_weight <= 0:
+            return None
+        return self.analyzer(spec, status, body, observation, now)
+
+    def _invalid(self, namespace: str, name: str, status: RolloutStatus, generation: int | None, message: str,
+                 now: float) -> Outcome:
+        new = replace(mark_invalid(status, message, now), observed_generation=generation)
+        events = []
+        if status.phase != Phase.INVALID_SPEC or status.message != message:
+            events.append(Event("Warning", "InvalidSpec", message))
+        wrote = self._write_status(namespace, name, status.to_dict(), new)
+        return Outcome(new, events, {}, wrote)
+
+    @staticmethod
+    def _child_events(old: RolloutStatus, new: RolloutStatus, written: dict[str, str]) -> list[Event]:
+        events = []
+        created = [k for k, v in written.items() if v == "created"]
+        if created:
+            reason = "ChildrenCreated" if old.observed_generation is None else "ChildrenRecreated"
+            events.append(Event("Normal" if reason == "ChildrenCreated" else "Warning", reason,
+                                f"created {', '.join(created)}"))
+        old_versions = [v.get("name") for v in old.versions]
+        new_versions = [v.get("name") for v in new.versions]
+        if old.observed_generation is not None and old_versions != new_versions:
+            events.append(Event("Normal", "VersionsChanged", f"versions {old_versions} -> {new_versions}"))
+        return events
+
+    def _write_status(self, namespace: str, name: str, raw_old: dict[str, Any], new: RolloutStatus) -> bool:
+        desired = new.to_dict()
+        patch = {k: v for k, v in desired.items() if raw_old.get(k) != v}
+        if not patch:
+            return False
+        self.kube.patch("ModelDeployment", namespace, name, {"status": patch}, subresource="status")
+        return True
+
+    def _count(self, namespace: str, name: str, old: RolloutStatus, new: RolloutStatus,
+               analysis: Analysis | None, events: list[Event]) -> None:
+        m = self.metrics
+        m.set_state(namespace, name, new.phase, new.weights, new.canary_weight)
+        if analysis is not None:
+            for metric in analysis.metrics:
+                m.verdicts.labels(namespace, name, metric.name, metric.verdict).inc()
+        for event in events:
+            if event.reason == "RolloutAborted":
+                m.rollbacks.labels(namespace, name, (new.abort_reason or "removed").split(":", 1)[0]).inc()
+            elif event.reason == "RolloutPromoted":
+                m.promotions.labels(namespace, name, "full" if "fully" in event.message else "steps").inc()
+        if old.step_started_at and new.step_started_at != old.step_started_at and old.current_step is not None:
+            m.step_seconds.labels(namespace, name).observe(self.clock() - old.step_started_at)

@@ -1,0 +1,298 @@
+"""The rollout state machine: ``decide(spec, status, world, analysis, now) -> (status, events)``.
+
+Pure: no I/O, no clock but ``now``. kopf handlers, the local demo and the tests all drive this
+one function, and it is the only writer of ``phase`` and the rollout conditions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .analysis import Analysis
+from .spec import ModelDeploymentSpec
+from .status import Phase, RolloutStatus, with_condition
+
+ACTIONS = ("promote", "promote-full", "abort", "retry")
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class World:
+    """What the caller observed: version readiness across pods, pods, and requests to act."""
+
+    versions_ready: Mapping[str, bool] = field(default_factory=dict)
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    ready_pods: int = 0
+    desired_pods: int = 0
+    action: str | None = None  # one of ACTIONS, already de-duplicated by the caller
+    alert: str | None = None  # a firing alert naming this canary: roll back at once
+
+    def ready(self, version: str) -> bool:
+        return bool(self.versions_ready.get(version))
+
+
+def decide(
+    spec: ModelDeploymentSpec,
+    status: RolloutStatus,
+    world: World,
+    analysis: Analysis | None,
+    now: float,
+) -> tuple[RolloutStatus, list[Event]]:
+    """The next status and the events to emit. Weights and routed versions in the returned status
+    are what the children must serve."""
+    events: list[Event] = []
+    st = _adopt_stable(spec, status)
+    canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
+    if canary is None:
+        st = _no_canary(spec, st, world, events, now)
+    else:
+        st = _canary(spec, st, canary, world, analysis, now, events)
+    st = _retire(spec, st, now, events)
+    st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
+    st = _readiness(spec, st, world, now)
+    return st, events
+
+
+# -- no rollout --------------------------------------------------------------------------------
+
+
+def _adopt_stable(spec: ModelDeploymentSpec, st: RolloutStatus) -> RolloutStatus:
+    names = [v.name for v in spec.versions]
+    stable = st.stable_version if st.stable_version in names else None
+    if spec.stable and spec.stable != st.stable_version and spec.stable != st.canary_version:
+        stable = spec.stable  # an explicit change of stable by the user
+    return replace(st, stable_version=stable or spec.stable or names[0])
+
+
+def _no_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, events: list[Event],
+               now: float) -> RolloutStatus:
+    stable = st.stable_version
+    assert stable is not None
+    if spec.canary == stable and st.phase in (Phase.PROMOTING, Phase.SUCCEEDED):
+        return st  # a finished rollout; _retire moves Promoting on to Succeeded
+    aborted = bool(st.canary_version) and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
+    if aborted:
+        events.append(Event("Warning", "RolloutAborted",
+                            f"canary {st.canary_version} removed from the spec: rolled back to {stable}"))
+    desired = dict(spec.weights) if spec.weights else {stable: 100}
+    weights = hold_unready(desired, st.weights, stable, world)
+    if st.weights and weights != st.weights and not aborted:
+        events.append(Event("Normal", "WeightsUpdated", f"weights {_fmt(weights)}"))
+    phase = Phase.READY if world.ready(stable) or st.phase == Phase.READY else Phase.INITIALIZING
+    held = {k: v for k, v in desired.items() if weights.get(k) != v}
+    message = f"serving {_fmt(weights)}" + (f"; holding {_fmt(held)} until loaded on every pod" if held else "")
+    return replace(st, phase=phase, weights=weights, canary_version=None, canary_weight=0, current_step=None,
+                   step_text="", message=message)
+
+
+def hold_unready(desired: Mapping[str, int], current: Mapping[str, int], stable: str, world: World) -> dict[str, int]:
+    """Weights to serve: a version not ready on every pod keeps the weight it has now (it may
+    lose weight, never gain it); the stable version takes what is left."""
+    out: dict[str, int] = {}
+    for name, weight in desired.items():
+        if name == stable:
+            continue
+        have = int(current.get(name, 0))
+        out[name] = weight if world.ready(name) or weight <= have else have
+    out[stable] = 100 - sum(out.values())
+    return {k: v for k, v in sorted(out.items()) if v > 0 or k in desired}
+
+
+# -- canary ------------------------------------------------------------------------------------
+
+
+def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
+            analysis: Analysis | None, now: float, events: list[Event]) -> RolloutStatus:
+    if st.canary_version != canary:
+        midway = st.canary_version is not None and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
+        st, analysis = _start(spec, st, canary, now, events, restarted=midway), None
+    elif st.phase in (Phase.ROLLED_BACK, Phase.FAILED):
+        if world.action != "retry":
+            return st
+        events.append(Event("Normal", "RolloutRetried", f"retrying canary {canary} from the first step"))
+        st, analysis = _start(spec, st, canary, now, events, restarted=False, announce=False), None
+    if world.alert:
+        return _rollback(st, Phase.ROLLED_BACK, "AlertFiring", f"alert {world.alert}", now, events)
+    if world.action == "abort":
+        return _rollback(st, Phase.ROLLED_BACK, "ManualAbort", "aborted by a user", now, events)
+    if world.action == "promote-full":
+        return _promote(st, now, events, "promoted fully by a user")
+    if not world.ready(canary):
+        return _wait_for_canary(spec, st, world, now, events)
+    if st.canary_weight == 0 and st.current_step is not None and _step(spec, st).weight > 0:
+        st = _set_weight(st, _step(spec, st).weight, now, restart_clock=True)
+        events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
+                                                      f"{st.canary_weight}%"))
+    if spec.paused:
+        return replace(st, phase=Phase.PAUSED, message="paused by spec.paused")
+    st = _record(spec, st, analysis)
+    if analysis is not None and analysis.verdict == "fail" and st.failures >= spec.strategy.analysis.failure_limit:
+        worst = analysis.failed_metric()
+        return _rollback(st, Phase.ROLLED_BACK, "AnalysisFailed", worst, now, events)
+    return _advance(spec, st, analysis, world, now, events)
+
+
+def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float, events: list[Event],
+           restarted: bool, announce: bool = True) -> RolloutStatus:
+    if restarted:
+        events.append(Event("Normal", "RolloutRestarted",
+                            f"canary changed from {st.canary_version} to {canary}: restarting at step 1"))
+    elif announce:
+        events.append(Event("Normal", "RolloutStarted", f"rolling out {canary} over {len(spec.strategy.steps)} "
+                                                         f"steps, stable {st.stable_version}"))
+    retiring = (st.previous_stable,) if st.phase == Phase.PROMOTING and st.previous_stable else ()
+    retired = tuple(sorted({*st.retired, *retiring} - {canary, st.stable_version}))
+    st = replace(st, canary_version=canary, current_step=0, failures=0, analysis={}, retired=retired,
+                 step_started_at=now, phase=Phase.PROGRESSING, rollout_started_at=now,
+                 message=f"waiting for {canary} to load on every pod")
+    return _set_weight(st, 0, now, restart_clock=True)
+
+
+def _wait_for_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: float,
+                     events: list[Event]) -> RolloutStatus:
+    assert st.canary_version is not None
+    why = world.reasons.get(st.canary_version, "not loaded yet")
+    if now - (st.step_started_at or now) > spec.progress_deadline_seconds:
+        return _rollback(st, Phase.FAILED, "ProgressDeadlineExceeded",
+                         f"canary {st.canary_version} not ready within {spec.progress_deadline_seconds}s: {why}",
+                         now, events)
+    # Hold the weight it has (never raise it while it is not ready on every pod).
+    return replace(st, phase=Phase.PROGRESSING, message=f"waiting for {st.canary_version}: {why}")
+
+
+def _record(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None) -> RolloutStatus:
+    if analysis is None:
+        return st
+    failures = st.failures + 1 if analysis.verdict == "fail" else (0 if analysis.verdict == "pass" else st.failures)
+    return replace(st, failures=failures, analysis=analysis.as_status(failures))
+
+
+def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None, world: World,
+             now: float, events: list[Event]) -> RolloutStatus:
+    step = _step(spec, st)
+    waited = now - (st.step_started_at or now)
+    last_pass = st.analysis.get("verdict") == "pass"
+    manual = step.pause_seconds is None
+    if world.action == "promote" or (not manual and waited >= (step.pause_seconds or 0) and last_pass):
+        return _next_step(spec, st, now, events)
+    if manual:
+        return replace(st, phase=Phase.PAUSED, message=f"step {st.step_text} at {st.canary_weight}%: "
+                                                        "waiting for promote")
+    if waited > spec.progress_deadline_seconds:
+        verdict = st.analysis.get("verdict", "no analysis yet")
+        return _rollback(st, Phase.FAILED, "ProgressDeadlineExceeded",
+                         f"step {st.step_text} held {int(waited)}s (last analysis: {verdict})", now, events)
+    detail = "inconclusive: holding" if st.analysis.get("verdict") == "inconclusive" else "analysing"
+    return replace(st, phase=Phase.PROGRESSING, message=f"step {st.step_text} at {st.canary_weight}%: {detail}")
+
+
+def _next_step(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: list[Event]) -> RolloutStatus:
+    assert st.current_step is not None
+    nxt = st.current_step + 1
+    if nxt >= len(spec.strategy.steps):
+        return _promote(st, now, events, f"passed all {len(spec.strategy.steps)} steps")
+    st = replace(st, current_step=nxt, failures=0, phase=Phase.PROGRESSING)
+    st = _set_weight(st, spec.strategy.steps[nxt].weight, now, restart_clock=True)
+    events.append(Event("Normal", "StepAdvanced", f"canary {st.canary_version} step {st.step_text}: "
+                                                   f"{st.canary_weight}%"))
+    return replace(st, message=f"step {st.step_text} at {st.canary_weight}%")
+
+
+def _promote(st: RolloutStatus, now: float, events: list[Event], why: str) -> RolloutStatus:
+    canary, old = st.canary_version, st.stable_version
+    assert canary is not None
+    events.append(Event("Normal", "RolloutPromoted", f"{canary} promoted to stable ({why}); {old} leaves the routing"))
+    weights = {canary: 100, old: 0}
+    return replace(st, phase=Phase.PROMOTING, stable_version=canary, canary_weight=100, weights=weights,
+                   promoted_at=now, previous_stable=old, current_step=None, step_text="done",
+                   message=f"{canary} is stable; {old} is retiring")
+
+
+def _rollback(st: RolloutStatus, phase: Phase, reason: str, detail: str, now: float,
+              events: list[Event]) -> RolloutStatus:
+    events.append(Event("Warning", "RolloutAborted", f"canary {st.canary_version} rolled back: {detail}"))
+    stable = st.stable_version
+    assert stable is not None
+    weights = {stable: 100, **{k: 0 for k in st.weights if k != stable}}
+    st = replace(st, phase=phase, canary_weight=0, weights=weights, abort_reason=f"{reason}: {detail}",
+                 rolled_back_at=now, message=f"rolled back to {stable}: {detail}")
+    return with_condition(st, "Progressing", "False", reason, detail, now)
+
+
+def _set_weight(st: RolloutStatus, weight: int, now: float, restart_clock: bool) -> RolloutStatus:
+    assert st.canary_version is not None and st.stable_version is not None
+    weights = {st.canary_version: weight, st.stable_version: 100 - weight}
+    step_text = f"{(st.current_step or 0) + 1}/{st.total_steps}" if st.current_step is not None else ""
+    return replace(st, canary_weight=weight, weights=weights, step_text=step_text,
+                   step_started_at=now if restart_clock else st.step_started_at)
+
+
+def _step(spec: ModelDeploymentSpec, st: RolloutStatus) -> Any:
+    return spec.strategy.steps[min(st.current_step or 0, len(spec.strategy.steps) - 1)]
+
+
+# -- after promotion, readiness ----------------------------------------------------------------
+
+
+def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: list[Event]) -> RolloutStatus:
+    if st.phase != Phase.PROMOTING or st.promoted_at is None:
+        return st
+    if now - st.promoted_at < spec.strategy.scale_down_delay_seconds:
+        return st
+    old = st.previous_stable
+    retired = tuple(sorted({*st.retired, old})) if old else st.retired
+    events.append(Event("Normal", "RolloutSucceeded", f"{st.stable_version} serves 100%; {old} unloaded"))
+    weights = {st.stable_version or "": 100}
+    return replace(st, phase=Phase.SUCCEEDED, retired=retired, weights=weights,
+                   message=f"{st.stable_version} serves 100%")
+
+
+def _readiness(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: float) -> RolloutStatus:
+    routed = routed_versions(spec, st)
+    unready = [v for v in routed if not world.ready(v)]
+    st = replace(st, ready_text=f"{world.ready_pods}/{world.desired_pods}", total_steps=len(spec.strategy.steps))
+    if unready:
+        detail = "; ".join(f"{v}: {world.reasons.get(v, 'not loaded yet')}" for v in unready)
+        st = with_condition(st, "VersionsReady", "False", "VersionNotReady", detail, now)
+    else:
+        st = with_condition(st, "VersionsReady", "True", "AllVersionsLoaded",
+                            f"{', '.join(routed)} loaded on every pod", now)
+    pods_ok = world.desired_pods > 0 and world.ready_pods >= world.desired_pods
+    serving = world.ready(st.stable_version or "")
+    if pods_ok and serving:
+        return with_condition(st, "Ready", "True", "Serving", f"{world.ready_pods} pods serving {_fmt(st.weights)}",
+                              now)
+    why = f"{world.ready_pods}/{world.desired_pods} pods ready" if not pods_ok else \
+        f"stable {st.stable_version} not loaded: {world.reasons.get(st.stable_version or '', 'loading')}"
+    return with_condition(st, "Ready", "False", "NotReady", why, now)
+
+
+def routed_versions(spec: ModelDeploymentSpec, st: RolloutStatus) -> list[str]:
+    """Versions in the runtime config: every listed version except retired ones."""
+    keep = {st.stable_version, st.canary_version}
+    return [v.name for v in spec.versions if v.name not in st.retired or v.name in keep]
+
+
+def _fmt(weights: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}:{v}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1]))
+
+
+def mark_invalid(status: RolloutStatus, message: str, now: float) -> RolloutStatus:
+    """An invalid spec changes nothing that serves traffic: only phase, message and condition."""
+    st = replace(status, phase=Phase.INVALID_SPEC, message=message)
+    return with_condition(st, "InvalidSpec", "True", "InvalidSpec", message, now)
+
+
+def changed(a: RolloutStatus, b: RolloutStatus) -> bool:
+    return a.to_dict() != b.to_dict()
+
+
+__all__: Sequence[str] = ("decide", "World", "Event", "mark_invalid", "routed_versions", "hold_unready")

@@ -1,0 +1,57 @@
+"""``mnn-rollout operator``: wire the reconciler, metrics and kopf together and run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+from typing import Any
+
+import kopf
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--namespace", action="append", default=[],
+                   help="namespace to watch (repeatable); default: all namespaces")
+    p.add_argument("--peering", default=env("MNN_ROLLOUT_PEERING", "mnn-rollout"),
+                   help="kopf peering name shared by the replicas (default mnn-rollout)")
+    p.add_argument("--standalone", action="store_true", help="no peering: act even if other replicas run")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority; the highest acts (default: random, so exactly one replica acts)")
+    p.add_argument("--metrics-host", default=env("MNN_ROLLOUT_METRICS_HOST", "0.0.0.0"))
+    p.add_argument("--metrics-port", type=int, default=int(env("MNN_ROLLOUT_METRICS_PORT", "8090")),
+                   help="port of the operator's /metrics (0 disables)")
+    p.add_argument("--liveness", default=env("MNN_ROLLOUT_LIVENESS", ""),
+                   help="kopf liveness endpoint, e.g. http://0.0.0.0:8091/healthz")
+    p.add_argument("--resync-seconds", type=float, default=float(env("MNN_ROLLOUT_RESYNC_SECONDS", "2")),
+                   help="how often each ModelDeployment is observed and reconciled (default 2)")
+
+
+def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> int:
+    from . import main as _handlers  # noqa: F401  (registers the kopf handlers)
+    from .kube import KubeClient
+    from .metrics import OperatorMetrics
+    from .reconcile import Reconciler
+
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, args.metrics_host)
+    reconciler = Reconciler(KubeClient(), metrics)
+    memo = kopf.Memo(reconciler=reconciler, resync_seconds=args.resync_seconds, **(memo_extra or {}))
+    priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
+    kwargs: dict[str, Any] = {"memo": memo, "standalone": args.standalone, "priority": priority,
+                              "liveness_endpoint": args.liveness or None}
+    if not args.standalone:
+        kwargs["peering_name"] = args.peering
+    if args.namespace:
+        kwargs["namespaces"] = args.namespace
+    else:
+        kwargs["clusterwide"] = True
+    log.info("operator starting (priority %s, peering %s)", priority,
+             "off" if args.standalone else args.peering)
+    kopf.run(**kwargs)
+    return 0

@@ -1,0 +1,196 @@
+"""The ModelDeployment spec as pydantic models, and the operator's own validation of it.
+
+The CRD schema (crds/modeldeployment.yaml) says the same things, but it is not enforced
+everywhere (older clusters without CEL, `--validate=false`, the test emulator), so the operator
+validates every spec itself before acting. Messages name the field, the value and what is valid.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mnn_runtime.config import DNS1123_LABEL, VersionSpec, format_validation_error
+
+DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+BUILTIN_METRICS = ("error-rate", "latency-p50", "latency-p95", "latency-p99")
+DEFAULT_IMAGE = "ghcr.io/mnn-rollout/mnn-rollout:0.1.0"
+
+
+class SpecError(ValueError):
+    """An invalid ModelDeployment spec; the message names field and value."""
+
+
+def parse_duration(text: str) -> float:
+    """'1h30m' -> 5400.0 seconds; raises ValueError naming the text."""
+    if not isinstance(text, str) or not DURATION.match(text):
+        raise ValueError(f"{text!r} is not a duration; valid: e.g. 500ms, 30s, 5m, 1h30m")
+    return sum(float(n) * _UNIT[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Step(_Model):
+    weight: int = Field(ge=0, le=100)
+    pause: str | None = None
+
+    @field_validator("pause")
+    @classmethod
+    def _pause(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
+
+    @property
+    def pause_seconds(self) -> float | None:
+        return None if self.pause is None else parse_duration(self.pause)
+
+
+class ProviderSpec(_Model):
+    type: Literal["direct", "prometheus"] = "direct"
+    address: str | None = None
+    timeout: str = "5s"
+    secret_ref: dict[str, str] | None = Field(default=None, alias="secretRef")
+
+    @model_validator(mode="after")
+    def _address(self) -> ProviderSpec:
+        parse_duration(self.timeout)
+        if self.type == "prometheus" and not self.address:
+            raise ValueError("address: required when provider type is prometheus (e.g. http://prometheus:9090)")
+        return self
+
+
+class MetricSpec(_Model):
+    name: str
+    max: float | None = None
+    min: float | None = None
+    max_error_rate_increase: float | None = Field(default=None, alias="maxErrorRateIncrease", ge=0)
+    max_latency_ratio: float | None = Field(default=None, alias="maxLatencyRatio", ge=0)
+    query: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> MetricSpec:
+        if self.name not in BUILTIN_METRICS and not self.query:
+            raise ValueError(
+                f"metric {self.name!r} is not built in ({', '.join(BUILTIN_METRICS)}) and has no query"
+            )
+        if self.max is None and self.min is None and self.max_error_rate_increase is None \
+                and self.max_latency_ratio is None:
+            raise ValueError(f"metric {self.name!r} needs a threshold: max, min, maxErrorRateIncrease "
+                             "or maxLatencyRatio")
+        if self.max_error_rate_increase is not None and self.name != "error-rate":
+            raise ValueError(f"maxErrorRateIncrease applies to error-rate, not {self.name!r}")
+        if self.max_latency_ratio is not None and not self.name.startswith("latency-"):
+            raise ValueError(f"maxLatencyRatio applies to latency-p50/p95/p99, not {self.name!r}")
+        return self
+
+
+class AnalysisSpec(_Model):
+    interval: str = "10s"
+    min_requests: int = Field(default=20, ge=0, alias="minRequests")
+    failure_limit: int = Field(default=2, ge=1, alias="failureLimit")
+    provider: ProviderSpec = Field(default_factory=ProviderSpec)
+    metrics: list[MetricSpec] = Field(default_factory=lambda: [MetricSpec(name="error-rate", max=0.05)])
+
+    @field_validator("interval")
+    @classmethod
+    def _interval(cls, value: str) -> str:
+        if parse_duration(value) < 1:
+            raise ValueError(f"interval {value!r} is below the minimum of 1s")
+        return value
+
+    @property
+    def interval_seconds(self) -> float:
+        return parse_duration(self.interval)
+
+
+class StrategySpec(_Model):
+    steps: list[Step] = Field(
+        default_factory=lambda: [Step(weight=10, pause="30s"), Step(weight=50, pause="30s")], max_length=50
+    )
+    analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
+    scale_down_delay_seconds: float = Field(default=30, ge=0, alias="scaleDownDelaySeconds")
+
+
+class RoutingSpec(_Model):
+    header: str = "X-User-Id"
+    parameter: str = "user_id"
+    salt: str | None = None
+
+
+class RuntimeSpec(_Model):
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None,
+                                                                                 alias="imagePullPolicy")
+    replicas: int = Field(default=2, ge=0, le=1000)
+    workers: int = Field(default=1, ge=1, le=64)
+    threads: int = Field(default=4, ge=1, le=64)
+    port: int = Field(default=8080, ge=1024, le=65535)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, alias="maxBodyBytes")
+    resources: dict[str, Any] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
+    pod_annotations: dict[str, str] = Field(default_factory=dict, alias="podAnnotations")
+    pod_labels: dict[str, str] = Field(default_factory=dict, alias="podLabels")
+
+
+class ModelDeploymentSpec(_Model):
+    model: str | None = None
+    versions: list[VersionSpec] = Field(min_length=1, max_length=16)
+    stable: str | None = None
+    weights: dict[str, int] = Field(default_factory=dict)
+    canary: str | None = None
+    strategy: StrategySpec = Field(default_factory=StrategySpec)
+    progress_deadline_seconds: int = Field(default=600, ge=1, alias="progressDeadlineSeconds")
+    paused: bool = False
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ModelDeploymentSpec:
+        names = [v.name for v in self.versions]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"versions: duplicate version names {dupes}; each name must be unique")
+        for field, value in (("stable", self.stable), ("canary", self.canary)):
+            if value is not None and value not in names:
+                raise ValueError(f"{field}: {value!r} is not a listed version; valid: {names}")
+        for name, weight in self.weights.items():
+            if name not in names:
+                raise ValueError(f"weights.{name}: {name!r} is not a listed version; valid: {names}")
+            if not 0 <= weight <= 100:
+                raise ValueError(f"weights.{name}: {weight} is outside 0-100")
+        if self.weights and sum(self.weights.values()) != 100:
+            raise ValueError(f"weights: {dict(self.weights)} sum to {sum(self.weights.values())}; must sum to 100")
+        if self.canary is not None and self.weights:
+            raise ValueError("weights and canary: set either weights (a static split) or canary, not both")
+        if self.canary is not None and self.canary == self.stable:
+            raise ValueError(f"canary: {self.canary!r} is also the stable version; choose another version")
+        return self
+
+    def model_name(self, default: str) -> str:
+        return self.model or default
+
+    def version(self, name: str) -> VersionSpec:
+        return next(v for v in self.versions if v.name == name)
+
+
+def parse_spec(raw: Any) -> ModelDeploymentSpec:
+    """Validate a spec dict from the API; SpecError lists every problem with its field path."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"spec: expected an object, got {type(raw).__name__}")
+    try:
+        return ModelDeploymentSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, prefix="spec.")) from None
+
+
+def is_dns_label(text: str) -> bool:
+    return bool(DNS1123_LABEL.match(text)) and len(text) <= 63

@@ -1,0 +1,148 @@
+"""The ModelDeployment status: phases, the typed status, and conditions by API conventions."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any
+
+
+class Phase(str, Enum):
+    INITIALIZING = "Initializing"  # children created; the stable version is not serving yet
+    READY = "Ready"  # no rollout in progress: the static split is serving
+    PROGRESSING = "Progressing"  # a canary is at a step and being analysed
+    PAUSED = "Paused"  # held by spec.paused, or a step waiting for a manual promote
+    PROMOTING = "Promoting"  # the canary is stable at 100%; the old stable is retiring
+    SUCCEEDED = "Succeeded"  # the canary was promoted and the old stable unloaded
+    ROLLED_BACK = "RolledBack"  # the canary failed (or was aborted); stable serves 100%
+    FAILED = "Failed"  # the progress deadline passed; rolled back
+    INVALID_SPEC = "InvalidSpec"  # the spec cannot be acted on; nothing serving was changed
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def epoch(text: Any) -> float | None:
+    if not text:
+        return None
+    if isinstance(text, (int, float)):
+        return float(text)
+    return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+
+
+# field name -> (status key, kind) ; kind "time" stored as RFC 3339 text
+_KEYS: dict[str, tuple[str, str]] = {
+    "phase": ("phase", "phase"),
+    "observed_generation": ("observedGeneration", "plain"),
+    "stable_version": ("stableVersion", "plain"),
+    "canary_version": ("canaryVersion", "plain"),
+    "canary_weight": ("canaryWeight", "plain"),
+    "weights": ("weights", "plain"),
+    "retired": ("retiredVersions", "tuple"),
+    "current_step": ("currentStep", "plain"),
+    "total_steps": ("totalSteps", "plain"),
+    "step_text": ("stepText", "plain"),
+    "ready_text": ("readyText", "plain"),
+    "step_started_at": ("stepStartedAt", "time"),
+    "rollout_started_at": ("rolloutStartedAt", "time"),
+    "promoted_at": ("promotedAt", "time"),
+    "rolled_back_at": ("rolledBackAt", "time"),
+    "previous_stable": ("previousStable", "plain"),
+    "failures": ("failures", "plain"),
+    "analysis": ("analysis", "plain"),
+    "abort_reason": ("abortReason", "plain"),
+    "last_action": ("lastAction", "plain"),
+    "last_alert": ("lastAlert", "plain"),
+    "message": ("message", "plain"),
+    "versions": ("versions", "plain"),
+    "conditions": ("conditions", "tuple"),
+}
+
+
+@dataclass(frozen=True)
+class RolloutStatus:
+    phase: Phase = Phase.INITIALIZING
+    observed_generation: int | None = None
+    stable_version: str | None = None
+    canary_version: str | None = None
+    canary_weight: int = 0
+    weights: dict[str, int] = field(default_factory=dict)
+    retired: tuple[str, ...] = ()
+    current_step: int | None = None
+    total_steps: int = 0
+    step_text: str = ""
+    ready_text: str = ""
+    step_started_at: float | None = None
+    rollout_started_at: float | None = None
+    promoted_at: float | None = None
+    rolled_back_at: float | None = None
+    previous_stable: str | None = None
+    failures: int = 0
+    analysis: dict[str, Any] = field(default_factory=dict)
+    abort_reason: str | None = None
+    last_action: str | None = None
+    last_alert: str | None = None
+    message: str = ""
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    conditions: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> RolloutStatus:
+        raw = raw or {}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key, kind = _KEYS[f.name]
+            if key not in raw or raw[key] is None:
+                continue
+            value = raw[key]
+            if kind == "time":
+                value = epoch(value)
+            elif kind == "tuple":
+                value = tuple(value)
+            elif kind == "phase":
+                try:
+                    value = Phase(value)
+                except ValueError:
+                    continue
+            values[f.name] = value
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            key, kind = _KEYS[f.name]
+            value = getattr(self, f.name)
+            if kind == "time":
+                value = iso(value)
+            elif kind == "tuple":
+                value = list(value)
+            elif kind == "phase":
+                value = value.value
+            out[key] = value
+        return out
+
+
+def with_condition(st: RolloutStatus, type_: str, status: str, reason: str, message: str,
+                   now: float) -> RolloutStatus:
+    """Set one condition; lastTransitionTime changes only when its status does."""
+    conditions = list(st.conditions)
+    for i, cond in enumerate(conditions):
+        if cond.get("type") == type_:
+            same = cond.get("status") == status
+            conditions[i] = {
+                "type": type_, "status": status, "reason": reason, "message": message,
+                "lastTransitionTime": cond.get("lastTransitionTime") if same else iso(now),
+                "observedGeneration": st.observed_generation,
+            }
+            return replace(st, conditions=tuple(conditions))
+    conditions.append({"type": type_, "status": status, "reason": reason, "message": message,
+                       "lastTransitionTime": iso(now), "observedGeneration": st.observed_generation})
+    return replace(st, conditions=tuple(conditions))
+
+
+def condition(st: RolloutStatus, type_: str) -> dict[str, Any] | None:
+    return next((c for c in st.conditions if c.get("type") == type_), None)

@@ -1,0 +1,237 @@
+"""The state machine, table-driven: (spec, status, world, analysis) -> (status, events)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from rollout_operator.analysis import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult
+from rollout_operator.rollout import World, decide, hold_unready, mark_invalid, routed_versions
+from rollout_operator.spec import parse_spec
+from rollout_operator.status import Phase, RolloutStatus, condition
+
+T0 = 1_800_000_000.0
+
+
+def spec(**over: Any):  # type: ignore[no-untyped-def]
+    raw: dict[str, Any] = {
+        "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}],
+        "canary": "v2",
+        "strategy": {"steps": [{"weight": 10, "pause": "10s"}, {"weight": 50, "pause": "10s"}],
+                     "analysis": {"interval": "1s", "failureLimit": 2, "minRequests": 10,
+                                  "metrics": [{"name": "error-rate", "max": 0.05}]},
+                     "scaleDownDelaySeconds": 30},
+        "progressDeadlineSeconds": 120,
+    }
+    raw.update(over)
+    return parse_spec(raw)
+
+
+READY = World(versions_ready={"v1": True, "v2": True}, ready_pods=2, desired_pods=2)
+V2_LOADING = World(versions_ready={"v1": True, "v2": False}, reasons={"v2": "pod-a: loading"}, ready_pods=2,
+                   desired_pods=2)
+
+
+def verdict(v: str, value: float = 0.0, at: float = T0) -> Analysis:
+    return Analysis(at, v, (MetricResult("error-rate", value, "error rate <= 0.05", v),), 100)
+
+
+def progressing(step: int = 0, weight: int = 10, started: float = T0, **over: Any) -> RolloutStatus:
+    base = RolloutStatus(phase=Phase.PROGRESSING, stable_version="v1", canary_version="v2", canary_weight=weight,
+                         weights={"v2": weight, "v1": 100 - weight}, current_step=step, total_steps=2,
+                         step_text=f"{step + 1}/2", step_started_at=started, rollout_started_at=T0)
+    return replace(base, **over)
+
+
+def reasons(events: list[Any]) -> list[str]:
+    return [e.reason for e in events]
+
+
+def test_a_new_canary_starts_at_zero_until_it_is_loaded_everywhere() -> None:
+    st, events = decide(spec(), RolloutStatus(stable_version="v1", phase=Phase.READY,
+                                              weights={"v1": 100}), V2_LOADING, None, T0)
+    assert st.phase == Phase.PROGRESSING and st.canary_version == "v2"
+    assert st.weights == {"v2": 0, "v1": 100} and st.current_step == 0
+    assert reasons(events) == ["RolloutStarted"]
+    st, _ = decide(spec(), st, V2_LOADING, None, T0 + 1)
+    assert st.weights == {"v2": 0, "v1": 100}
+    assert "pod-a: loading" in st.message
+    st, events = decide(spec(), st, READY, None, T0 + 2)
+    assert st.weights == {"v2": 10, "v1": 90} and reasons(events) == ["StepStarted"]
+
+
+@pytest.mark.parametrize(
+    ("status", "analysis", "now", "phase", "weights", "events"),
+    [
+        # pass but pause not over: hold
+        (progressing(), verdict(PASS), T0 + 5, Phase.PROGRESSING, {"v2": 10, "v1": 90}, []),
+        # pass and pause over: next step
+        (progressing(), verdict(PASS), T0 + 11, Phase.PROGRESSING, {"v2": 50, "v1": 50}, ["StepAdvanced"]),
+        # pause over but the last check was inconclusive: hold, never advance on missing data
+        (progressing(), verdict(INCONCLUSIVE), T0 + 11, Phase.PROGRESSING, {"v2": 10, "v1": 90}, []),
+        # one failure under failureLimit 2: hold
+        (progressing(), verdict(FAIL, 0.5), T0 + 11, Phase.PROGRESSING, {"v2": 10, "v1": 90}, []),
+        # second consecutive failure: roll back in the same reconcile
+        (progressing(failures=1), verdict(FAIL, 0.5), T0 + 3, Phase.ROLLED_BACK, {"v1": 100, "v2": 0},
+         ["RolloutAborted"]),
+        # last step passes: promote
+        (progressing(step=1, weight=50), verdict(PASS), T0 + 11, Phase.PROMOTING, {"v2": 100, "v1": 0},
+         ["RolloutPromoted"]),
+        # inconclusive past the progress deadline: fail and roll back
+        (progressing(), verdict(INCONCLUSIVE), T0 + 121, Phase.FAILED, {"v1": 100, "v2": 0}, ["RolloutAborted"]),
+    ],
+)
+def test_steps_advance_hold_or_roll_back(status: RolloutStatus, analysis: Analysis, now: float, phase: Phase,
+                                         weights: dict[str, int], events: list[str]) -> None:
+    st, evs = decide(spec(), status, READY, analysis, now)
+    assert st.phase == phase
+    assert st.weights == weights
+    assert reasons(evs) == events
+
+
+def test_inconclusive_checks_never_count_as_failures() -> None:
+    st = progressing(failures=1)
+    for i in range(20):
+        st, _ = decide(spec(), st, READY, verdict(INCONCLUSIVE), T0 + i)
+    assert st.phase == Phase.PROGRESSING and st.failures == 1
+
+
+def test_a_pass_resets_the_consecutive_failure_count() -> None:
+    st, _ = decide(spec(), progressing(failures=1), READY, verdict(PASS), T0 + 1)
+    assert st.failures == 0
+    st, _ = decide(spec(), st, READY, verdict(FAIL, 0.9), T0 + 2)
+    assert st.phase == Phase.PROGRESSING and st.failures == 1
+
+
+def test_the_rollback_event_names_the_metric_value_and_threshold() -> None:
+    st, events = decide(spec(), progressing(failures=1), READY, verdict(FAIL, 0.25), T0 + 3)
+    assert st.phase == Phase.ROLLED_BACK
+    assert "error-rate = 0.25 breached error rate <= 0.05" in events[0].message
+    assert st.analysis["verdict"] == "fail" and st.analysis["failures"] == 2
+    assert st.analysis["metrics"][0] == {"name": "error-rate", "value": 0.25, "threshold": "error rate <= 0.05",
+                                         "verdict": "fail"}
+    assert condition(st, "Progressing")["reason"] == "AnalysisFailed"  # type: ignore[index]
+
+
+def test_a_rolled_back_canary_stays_loaded_and_retry_restarts_it() -> None:
+    st, _ = decide(spec(), progressing(failures=1), READY, verdict(FAIL, 0.3), T0)
+    assert "v2" in routed_versions(spec(), st)
+    again, _ = decide(spec(), st, READY, None, T0 + 50)
+    assert again.phase == Phase.ROLLED_BACK and again.weights == {"v1": 100, "v2": 0}
+    retried, events = decide(spec(), st, replace(READY, action="retry"), None, T0 + 60)
+    assert retried.phase == Phase.PROGRESSING and retried.weights == {"v2": 10, "v1": 90}
+    assert retried.current_step == 0 and retried.failures == 0
+    assert reasons(events) == ["RolloutRetried", "StepStarted"]
+
+
+def test_after_promotion_the_old_stable_retires_after_the_delay() -> None:
+    st, _ = decide(spec(), progressing(step=1, weight=50), READY, verdict(PASS), T0 + 11)
+    assert st.phase == Phase.PROMOTING and st.stable_version == "v2"
+    assert routed_versions(spec(), st) == ["v1", "v2"]
+    st, events = decide(spec(), st, READY, None, T0 + 20)
+    assert st.phase == Phase.PROMOTING and events == []
+    st, events = decide(spec(), st, READY, None, T0 + 42)
+    assert st.phase == Phase.SUCCEEDED and reasons(events) == ["RolloutSucceeded"]
+    assert routed_versions(spec(), st) == ["v2"] and st.weights == {"v2": 100}
+    st2, events = decide(spec(), st, READY, None, T0 + 100)
+    assert st2 == st and events == []
+
+
+def test_changing_the_canary_mid_rollout_restarts_cleanly() -> None:
+    s3 = spec(versions=[{"name": "v1", "uri": "a"}, {"name": "v2", "uri": "b"}, {"name": "v3", "uri": "c"}],
+              canary="v3")
+    world = World(versions_ready={"v1": True, "v2": True, "v3": True}, ready_pods=2, desired_pods=2)
+    st, events = decide(s3, progressing(step=1, weight=50, failures=1), world, None, T0 + 5)
+    assert reasons(events)[0] == "RolloutRestarted"
+    assert st.canary_version == "v3" and st.current_step == 0 and st.failures == 0
+    assert st.weights == {"v3": 10, "v1": 90}
+
+
+def test_removing_the_canary_rolls_back() -> None:
+    s = spec(canary=None)
+    st, events = decide(s, progressing(step=1, weight=50), READY, None, T0 + 5)
+    assert st.phase == Phase.READY and st.weights == {"v1": 100} and st.canary_version is None
+    assert reasons(events) == ["RolloutAborted"]
+
+
+@pytest.mark.parametrize(
+    ("action", "phase", "weights", "event"),
+    [
+        ("promote", Phase.PROGRESSING, {"v2": 50, "v1": 50}, "StepAdvanced"),
+        ("promote-full", Phase.PROMOTING, {"v2": 100, "v1": 0}, "RolloutPromoted"),
+        ("abort", Phase.ROLLED_BACK, {"v1": 100, "v2": 0}, "RolloutAborted"),
+    ],
+)
+def test_manual_actions(action: str, phase: Phase, weights: dict[str, int], event: str) -> None:
+    st, events = decide(spec(), progressing(), replace(READY, action=action), None, T0 + 1)
+    assert st.phase == phase and st.weights == weights and reasons(events) == [event]
+
+
+def test_a_step_without_pause_waits_for_a_manual_promote() -> None:
+    s = spec(strategy={"steps": [{"weight": 20}, {"weight": 60, "pause": "1s"}],
+                       "analysis": {"interval": "1s", "metrics": [{"name": "error-rate", "max": 0.05}]}})
+    st = progressing(weight=20, weights={"v2": 20, "v1": 80})
+    for t in (5, 500, 5000):
+        st, _ = decide(s, st, READY, verdict(PASS), T0 + t)
+        assert st.phase == Phase.PAUSED and st.weights == {"v2": 20, "v1": 80}
+    st, events = decide(s, st, replace(READY, action="promote"), None, T0 + 5001)
+    assert st.weights == {"v2": 60, "v1": 40} and reasons(events) == ["StepAdvanced"]
+
+
+def test_spec_paused_freezes_the_weights() -> None:
+    st, events = decide(spec(paused=True), progressing(), READY, verdict(PASS), T0 + 100)
+    assert st.phase == Phase.PAUSED and st.weights == {"v2": 10, "v1": 90} and events == []
+    st, _ = decide(spec(paused=False), st, READY, verdict(PASS), T0 + 101)
+    assert st.phase == Phase.PROGRESSING and st.weights == {"v2": 50, "v1": 50}
+
+
+def test_a_firing_alert_rolls_back_at_once() -> None:
+    st, events = decide(spec(), progressing(), replace(READY, alert="CanaryErrorRate"), None, T0 + 1)
+    assert st.phase == Phase.ROLLED_BACK and st.weights == {"v1": 100, "v2": 0}
+    assert "alert CanaryErrorRate" in events[0].message
+
+
+def test_a_canary_that_never_loads_fails_at_the_progress_deadline() -> None:
+    st = progressing(weight=0, weights={"v2": 0, "v1": 100})
+    st, _ = decide(spec(), st, V2_LOADING, None, T0 + 60)
+    assert st.phase == Phase.PROGRESSING
+    st, events = decide(spec(), st, V2_LOADING, None, T0 + 121)
+    assert st.phase == Phase.FAILED and "pod-a: loading" in events[0].message
+
+
+def test_static_weights_hold_a_version_that_is_not_loaded_everywhere() -> None:
+    s = spec(canary=None, weights={"v1": 70, "v2": 30})
+    st = RolloutStatus(phase=Phase.READY, stable_version="v1", weights={"v1": 100, "v2": 0})
+    held, _ = decide(s, st, V2_LOADING, None, T0)
+    assert held.weights == {"v1": 100, "v2": 0} and "holding" in held.message
+    applied, events = decide(s, held, READY, None, T0 + 1)
+    assert applied.weights == {"v1": 70, "v2": 30} and reasons(events) == ["WeightsUpdated"]
+
+
+def test_hold_unready_lets_a_not_ready_version_lose_weight_but_never_gain_it() -> None:
+    world = World(versions_ready={"v1": True, "v2": False})
+    assert hold_unready({"v1": 90, "v2": 10}, {"v1": 70, "v2": 30}, "v1", world) == {"v1": 90, "v2": 10}
+    assert hold_unready({"v1": 50, "v2": 50}, {"v1": 70, "v2": 30}, "v1", world) == {"v1": 70, "v2": 30}
+
+
+def test_first_reconcile_is_initializing_until_the_stable_version_serves() -> None:
+    s = spec(canary=None)
+    st, _ = decide(s, RolloutStatus(), World(), None, T0)
+    assert st.phase == Phase.INITIALIZING and st.stable_version == "v1" and st.weights == {"v1": 100}
+    assert condition(st, "Ready")["status"] == "False"  # type: ignore[index]
+    st, _ = decide(s, st, READY, None, T0 + 1)
+    assert st.phase == Phase.READY and condition(st, "Ready")["status"] == "True"  # type: ignore[index]
+
+
+def test_an_invalid_spec_changes_only_phase_message_and_condition() -> None:
+    st = progressing()
+    bad = mark_invalid(st, "spec.weights.v1: 120 is outside 0-100", T0)
+    assert bad.phase == Phase.INVALID_SPEC and bad.weights == st.weights and bad.canary_weight == st.canary_weight
+    assert condition(bad, "InvalidSpec")["message"] == "spec.weights.v1: 120 is outside 0-100"  # type: ignore[index]
+
+
+def test_status_round_trips_through_its_api_form() -> None:
+    st, _ = decide(spec(), progressing(failures=1), READY, verdict(FAIL, 0.3), T0)
+    assert RolloutStatus.from_dict(st.to_dict()) == st
