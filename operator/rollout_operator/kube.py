@@ -15,7 +15,9 @@ import httpx
 
 from .children import HASH_ANNOTATION
 
-# kind -> (API prefix, plural, namespaced)
+USER_AGENT = "mnn-rollout-operator/0.1.0"
+
+# kind -> (API prefix, plural)
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
@@ -55,7 +57,8 @@ class KubeClient:
         cfg = self.configuration
         verify: Any = cfg.ssl_ca_cert if (cfg.verify_ssl and cfg.ssl_ca_cert) else bool(cfg.verify_ssl)
         cert = (cfg.cert_file, cfg.key_file) if cfg.cert_file else None
-        self.http = httpx.Client(base_url=cfg.host, verify=verify, cert=cert, timeout=timeout)
+        self.http = httpx.Client(base_url=cfg.host, verify=verify, cert=cert, timeout=timeout,
+                                 headers={"User-Agent": USER_AGENT})
         self.writes = 0  # create/replace/patch/delete calls made, for tests and metrics
 
     def close(self) -> None:
@@ -132,6 +135,13 @@ class KubeClient:
         except ApiError as exc:
             if exc.status != 404:
                 raise
+
+    def secret_value(self, namespace: str, name: str, key: str = "authorization") -> str | None:
+        import base64
+
+        secret = self.get("Secret", namespace, name)
+        raw = ((secret or {}).get("data") or {}).get(key)
+        return base64.b64decode(raw).decode().strip() if raw else None
 
     # -- reconcile helpers ---------------------------------------------------------------------
 

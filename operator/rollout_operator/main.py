@@ -9,7 +9,10 @@ from typing import Any
 import kopf
 
 from .children import GROUP
+from .analyzer import next_due
 from .reconcile import Outcome, Reconciler
+from .spec import SpecError, parse_spec
+from .status import RolloutStatus
 
 VERSION = "v1alpha1"
 PLURAL = "modeldeployments"
@@ -51,6 +54,7 @@ def observe(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.M
     reconciler: Reconciler = memo.reconciler
     while not stopped:
         started = time.monotonic()
+        live = None
         try:
             live = reconciler.kube.get("ModelDeployment", namespace, name)
             if live is None:
@@ -61,7 +65,20 @@ def observe(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.M
                     kopf.event(live, type=event.type, reason=event.reason, message=event.message)
         except Exception:  # keep observing; the next pass retries
             log.exception("reconcile of %s/%s failed; retrying", namespace, name)
-        stopped.wait(max(0.05, memo.resync_seconds - (time.monotonic() - started)))
+        stopped.wait(_sleep(reconciler, live, memo.resync_seconds, time.monotonic() - started))
+
+
+def _sleep(reconciler: Reconciler, live: dict[str, Any] | None, resync: float, spent: float) -> float:
+    """Until the next analysis is due, or the resync period, whichever comes first."""
+    wait = resync - spent
+    if live is not None:
+        try:
+            due = next_due(parse_spec(live.get("spec")), RolloutStatus.from_dict(live.get("status")))
+        except SpecError:
+            due = None
+        if due is not None:
+            wait = min(wait, due - reconciler.clock())
+    return max(0.05, wait)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)

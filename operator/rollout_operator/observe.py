@@ -62,14 +62,18 @@ class Observation:
     def version(self, name: str) -> VersionView:
         """A version is ready when every pod that answers has it loaded."""
         pods = self.answering
-        ready, reason = 0, None
+        ready, failed, loading = 0, [], []
         for pod in pods:
             state = (pod.status or {}).get("versions", {}).get(name)
             if state and state.get("ready"):
                 ready += 1
-            elif reason is None:
-                why = state.get("reason") if state else "not loaded yet"
-                reason = f"{pod.name}: {why}"
+            elif state and state.get("reason"):
+                failed.append(f"{pod.name}: {state['reason']}")
+            else:
+                loading.append(f"{pod.name}: not loaded yet")
+        reasons = failed or loading  # a load failure says more than "not yet"
+        reason = None if not reasons else reasons[0] + (f" (and {len(reasons) - 1} more pods)" if len(reasons) > 1
+                                                          else "")
         return VersionView(name, ready, len(pods), reason)
 
 

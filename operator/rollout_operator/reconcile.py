@@ -74,8 +74,8 @@ class Reconciler:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         now = self.clock()
-        status = RolloutStatus.from_dict(body.get("status"))
         generation = meta.get("generation")
+        status = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation)
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError as exc:
@@ -89,8 +89,7 @@ class Reconciler:
         world = self._world(spec, status, observation, annotations)
         analysis = self._analyse(spec, status, body, observation, now)
         new, events = decide(spec, status, world, analysis, now)
-        new = replace(new, observed_generation=generation,
-                      versions=[observation.version(v).as_status() for v in routed_versions(spec, new)],
+        new = replace(new, versions=[observation.version(v).as_status() for v in routed_versions(spec, new)],
                       last_action=annotations.get(ACTION_ANNOTATION, new.last_action),
                       last_alert=annotations.get(ALERT_ANNOTATION, new.last_alert))
         if world.action and world.action not in ACTIONS:
@@ -100,7 +99,8 @@ class Reconciler:
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new))
         written = self.kube.ensure_all(children.render_all(target, spec, config))
-        events.extend(self._child_events(status, new, written))
+        first = not (body.get("status") or {}).get("observedGeneration")
+        events.extend(self._child_events(first, status, new, written))
         wrote = self._write_status(namespace, name, body.get("status") or {}, new)
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote)
@@ -129,7 +129,7 @@ class Reconciler:
 
     def _invalid(self, namespace: str, name: str, status: RolloutStatus, generation: int | None, message: str,
                  now: float) -> Outcome:
-        new = replace(mark_invalid(status, message, now), observed_generation=generation)
+        new = mark_invalid(status, message, now)
         events = []
         if status.phase != Phase.INVALID_SPEC or status.message != message:
             events.append(Event("Warning", "InvalidSpec", message))
@@ -137,16 +137,15 @@ class Reconciler:
         return Outcome(new, events, {}, wrote)
 
     @staticmethod
-    def _child_events(old: RolloutStatus, new: RolloutStatus, written: dict[str, str]) -> list[Event]:
+    def _child_events(first: bool, old: RolloutStatus, new: RolloutStatus, written: dict[str, str]) -> list[Event]:
         events = []
         created = [k for k, v in written.items() if v == "created"]
         if created:
-            reason = "ChildrenCreated" if old.observed_generation is None else "ChildrenRecreated"
-            events.append(Event("Normal" if reason == "ChildrenCreated" else "Warning", reason,
-                                f"created {', '.join(created)}"))
+            reason = "ChildrenCreated" if first else "ChildrenRecreated"
+            events.append(Event("Normal" if first else "Warning", reason, f"created {', '.join(created)}"))
         old_versions = [v.get("name") for v in old.versions]
         new_versions = [v.get("name") for v in new.versions]
-        if old.observed_generation is not None and old_versions != new_versions:
+        if not first and old_versions and old_versions != new_versions:
             events.append(Event("Normal", "VersionsChanged", f"versions {old_versions} -> {new_versions}"))
         return events
 

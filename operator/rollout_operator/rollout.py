@@ -86,7 +86,8 @@ def _no_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, event
     weights = hold_unready(desired, st.weights, stable, world)
     if st.weights and weights != st.weights and not aborted:
         events.append(Event("Normal", "WeightsUpdated", f"weights {_fmt(weights)}"))
-    phase = Phase.READY if world.ready(stable) or st.phase == Phase.READY else Phase.INITIALIZING
+    serving = world.ready(stable) and world.ready_pods >= world.desired_pods
+    phase = Phase.READY if serving or st.phase == Phase.READY else Phase.INITIALIZING
     held = {k: v for k, v in desired.items() if weights.get(k) != v}
     message = f"serving {_fmt(weights)}" + (f"; holding {_fmt(held)} until loaded on every pod" if held else "")
     return replace(st, phase=phase, weights=weights, canary_version=None, canary_weight=0, current_step=None,

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -27,20 +28,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the operator's /metrics (0 disables)")
     p.add_argument("--liveness", default=env("MNN_ROLLOUT_LIVENESS", ""),
                    help="kopf liveness endpoint, e.g. http://0.0.0.0:8091/healthz")
+    p.add_argument("--webhook-host", default=env("MNN_ROLLOUT_WEBHOOK_HOST", "0.0.0.0"))
+    p.add_argument("--webhook-port", type=int, default=int(env("MNN_ROLLOUT_WEBHOOK_PORT", "8092")),
+                   help="port of the Alertmanager webhook POST /alerts (0 disables)")
+    p.add_argument("--webhook-token-file", default=env("MNN_ROLLOUT_WEBHOOK_TOKEN_FILE", ""),
+                   help="file holding the webhook's bearer token (a mounted Secret); required for the webhook")
     p.add_argument("--resync-seconds", type=float, default=float(env("MNN_ROLLOUT_RESYNC_SECONDS", "2")),
                    help="how often each ModelDeployment is observed and reconciled (default 2)")
 
 
 def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> int:
     from . import main as _handlers  # noqa: F401  (registers the kopf handlers)
+    from .alerts import AlertWebhook
+    from .analyzer import Analyzer
     from .kube import KubeClient
     from .metrics import OperatorMetrics
+    from .providers.factory import ProviderFactory
     from .reconcile import Reconciler
 
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
-    reconciler = Reconciler(KubeClient(), metrics)
+    kube = KubeClient()
+    reconciler = Reconciler(kube, metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)))
+    if args.webhook_port:
+        if not args.webhook_token_file:
+            log.error("--webhook-port is set but --webhook-token-file is not: the webhook stays off")
+        else:
+            token_path = Path(args.webhook_token_file)
+            webhook = AlertWebhook(KubeClient(), args.webhook_host, args.webhook_port,
+                                   lambda: token_path.read_text().strip() if token_path.is_file() else "",
+                                   args.namespace or None)
+            webhook.start()
+            log.info("Alertmanager webhook on %s:%s/alerts", args.webhook_host, webhook.port)
     memo = kopf.Memo(reconciler=reconciler, resync_seconds=args.resync_seconds, **(memo_extra or {}))
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     kwargs: dict[str, Any] = {"memo": memo, "standalone": args.standalone, "priority": priority,

@@ -130,17 +130,16 @@ def with_condition(st: RolloutStatus, type_: str, status: str, reason: str, mess
                    now: float) -> RolloutStatus:
     """Set one condition; lastTransitionTime changes only when its status does."""
     conditions = list(st.conditions)
+    new = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": iso(now)}
+    if st.observed_generation is not None:
+        new["observedGeneration"] = st.observed_generation
     for i, cond in enumerate(conditions):
         if cond.get("type") == type_:
-            same = cond.get("status") == status
-            conditions[i] = {
-                "type": type_, "status": status, "reason": reason, "message": message,
-                "lastTransitionTime": cond.get("lastTransitionTime") if same else iso(now),
-                "observedGeneration": st.observed_generation,
-            }
+            if cond.get("status") == status:
+                new["lastTransitionTime"] = cond.get("lastTransitionTime") or new["lastTransitionTime"]
+            conditions[i] = new
             return replace(st, conditions=tuple(conditions))
-    conditions.append({"type": type_, "status": status, "reason": reason, "message": message,
-                       "lastTransitionTime": iso(now), "observedGeneration": st.observed_generation})
+    conditions.append(new)
     return replace(st, conditions=tuple(conditions))
 
 

@@ -4,8 +4,8 @@ work against it. Run it with ``python -m tests.k8s.emulator --host 127.0.0.1 --p
 it prints ``READY <url>`` when serving.
 
 Built on kmock 0.8: :class:`Emulator` subclasses ``kmock.KubernetesEmulator`` and keeps kmock's
-handler/server plumbing (``kmock.Server``), its request log (``emu.requests``, also served at
-``GET/DELETE /_emulator/requests``), its DSL for injecting reactions (``emu['patch', ...] << 500``
+handler/server plumbing (``kmock.Server``), its request log (iterate ``emu`` or ``len(emu)``; also
+served at ``GET/DELETE /_emulator/requests``), its DSL for injecting reactions (``emu['patch', ...] << 500``
 takes priority over the emulation) and its bundled discovery data of the built-in resources.
 Replaced, because they could not be fixed by small overrides:
 
@@ -17,12 +17,22 @@ Replaced, because they could not be fixed by small overrides:
 * watches (``watch.py``) - kmock's stream ignores resourceVersion/timeoutSeconds, loses events
   between a list and a watch and uses a content type kubectl rejects;
 * Table printing (``tables.py``), selectors (``selectors.py``), patches (``patching.py``),
-  CRD schemas (``schema.py``: pruning, defaulting, validation) - absent in kmock.
+  CRD schemas (``schema.py``: pruning, defaulting, validation), protobuf bodies of a few core kinds
+  (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
+
+Test controls (not part of the Kubernetes API, never logged): ``GET /_emulator/healthz``;
+``GET``/``DELETE /_emulator/requests`` (the request log: method, path, query, contentType, action,
+group, version, resource, namespace, name, subresource, userAgent); ``POST /_emulator/compact``
+(forget the watch history: older resourceVersions get 410); ``POST /_emulator/faults`` with
+``{"method": "PATCH", "path": "regex", "code": 500, "reason": "...", "message": "...", "times": 1}``
+(the next ``times`` matching API requests fail with that Status; -1 = forever) and
+``DELETE /_emulator/faults``.
 """
 import argparse
 import asyncio
 import base64
 import json
+import re
 import signal
 import sys
 import traceback
@@ -34,7 +44,7 @@ import kmock
 import yaml
 from kmock._internal import apps, enums, rendering
 
-from . import tables, watch
+from . import cel, protobuf, scale, tables, watch
 from .errors import ApiError
 from .resources import Registry, ResourceDef
 from .selectors import parse_field_selector, parse_label_selector
@@ -75,6 +85,7 @@ class Emulator(kmock.KubernetesEmulator):
     bookmark_interval: float = 5.0
     registry: Registry = attrs.field(init=False)
     store: Store = attrs.field(init=False)
+    faults: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # see POST /_emulator/faults
     server_address: str = '127.0.0.1:6443'
 
     def __attrs_post_init__(self) -> None:
@@ -124,9 +135,8 @@ class Emulator(kmock.KubernetesEmulator):
         ctype = raw.headers.get('Content-Type', '').split(';')[0].strip().lower()
         data: Any = None
         if body and 'protobuf' in ctype:
-            raise ApiError(415, 'UnsupportedMediaType', 'protobuf request bodies are not supported by this'
-                                                        ' emulator; send JSON')
-        if body and ('yaml' in ctype):
+            data = protobuf.decode(body)  # a few core kinds (kubectl create namespace/configmap/secret)
+        elif body and ('yaml' in ctype):
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:
@@ -169,7 +179,8 @@ class Emulator(kmock.KubernetesEmulator):
         if accept and 'json' not in accept and '*/*' not in accept and 'yaml' not in accept:
             raise ApiError(406, 'NotAcceptable', f'only application/json is served, not {accept!r}')
         if path.startswith('/_emulator/'):
-            return self._serve_control(path, method)
+            return self._serve_control(path, method, request.data)
+        self._inject_faults(method, path)
         if method == 'GET':
             if path in ('/healthz', '/livez', '/readyz'):
                 return aiohttp.web.Response(text='ok')
@@ -198,7 +209,7 @@ class Emulator(kmock.KubernetesEmulator):
         if namespace and not rd.namespaced:
             raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
         sub = target['subresource']
-        if sub and (sub not in rd.subresources or sub != 'status'):
+        if sub and (sub not in rd.subresources or sub not in ('status', 'scale')):
             raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
         return await self._serve_resource(request, raw, rd, namespace, target['name'], sub, method)
 
@@ -230,6 +241,13 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError.method_not_allowed()
         if rd.namespaced and not namespace:
             raise ApiError(404, 'NotFound', 'the server could not find the requested resource')
+        if sub == 'scale':
+            if method == 'GET':
+                return json_response(scale.get_scale(self.store, rd, namespace, name))
+            if method in ('PUT', 'PATCH'):
+                ctype = raw.headers.get('Content-Type', '') if method == 'PATCH' else None
+                return json_response(scale.write_scale(self.store, rd, namespace, name, request.data, ctype, dry_run))
+            raise ApiError.method_not_allowed()
         if method == 'GET' and request.action == enums.action.WATCH:
             q = {**q, 'fieldSelector': ','.join(filter(None, [q.get('fieldSelector'), f'metadata.name={name}']))}
             return await watch.serve_watch(raw, self.store, rd, namespace, self._matcher(rd, q), q, as_table,
@@ -293,9 +311,27 @@ class Emulator(kmock.KubernetesEmulator):
             items = [{k: v for k, v in o.items() if k not in ('apiVersion', 'kind')} for o in items]
         return {'kind': rd.list_kind, 'apiVersion': rd.api_version, 'metadata': meta, 'items': items}
 
-    def _serve_control(self, path: str, method: str) -> aiohttp.web.Response:
+    def _inject_faults(self, method: str, path: str) -> None:
+        for fault in self.faults:
+            if fault['method'] in ('*', method) and re.search(fault['path'], path) and fault['times'] != 0:
+                fault['times'] -= 1
+                raise ApiError(fault['code'], fault['reason'], fault['message'])
+
+    def _serve_control(self, path: str, method: str, data: Any) -> aiohttp.web.Response:
+        if path == '/_emulator/faults' and method == 'POST':
+            if not isinstance(data, dict) or not isinstance(data.get('code'), int):
+                raise ApiError.bad_request('a fault needs at least {"code": 500}')
+            fault = {'method': str(data.get('method', '*')).upper(), 'path': data.get('path', ''),
+                     'code': data['code'], 'reason': data.get('reason', 'InternalError'),
+                     'message': data.get('message', 'injected by the emulator'), 'times': data.get('times', 1)}
+            self.faults.append(fault)  # times: how many matching requests fail; -1 = all of them
+            return json_response(fault, 201)
+        if path == '/_emulator/faults' and method == 'DELETE':
+            self.faults.clear()
+            return json_response({'cleared': True})
         if path == '/_emulator/healthz' and method == 'GET':
-            return json_response({'status': 'ok', 'resourceVersion': str(self.store.rv)})
+            return json_response({'status': 'ok', 'resourceVersion': str(self.store.rv),
+                                  'celValidation': cel.AVAILABLE})
         if path == '/_emulator/requests' and method == 'GET':
             return json_response([_describe(r) for r in self._requests])
         if path == '/_emulator/requests' and method == 'DELETE':
@@ -335,7 +371,8 @@ async def main_async(args: argparse.Namespace) -> None:
         emu.server_address = url.split('://', 1)[1]
         print(f'READY {url}', flush=True)
         await stop.wait()
-        emu.store.listeners.clear()
+        emu.store.closed = True
+        await asyncio.sleep(watch.TICK + 0.1)  # let open watches end cleanly
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -142,3 +142,19 @@ class EmulatorProcess:
         """The POST/PUT/PATCH/DELETE calls received so far, optionally for one plural only."""
         return [r for r in self.requests()
                 if r['method'] in WRITE_METHODS and (resource is None or r['resource'] == resource)]
+
+    def inject_fault(self, code: int = 500, method: str = '*', path: str = '', times: int = 1,
+                     reason: str = 'InternalError', message: str = 'injected by the emulator') -> None:
+        """Make the next ``times`` API requests matching ``method`` and the ``path`` regex fail."""
+        body = {'code': code, 'method': method, 'path': path, 'times': times, 'reason': reason, 'message': message}
+        status, answer = self.request('POST', '/_emulator/faults', body)
+        assert status == 201, answer
+
+    def connection_info(self) -> Any:
+        """For an in-process kopf operator: ``@kopf.on.login() def login(**_): return emu.connection_info()``.
+
+        (kopf's default login goes through the kubernetes client, which reads KUBECONFIG only once,
+        when ``kubernetes`` is first imported - an explicit login handler avoids that trap.)
+        """
+        import kopf
+        return kopf.ConnectionInfo(server=self.url, insecure=True, token='emulator-token')

@@ -122,7 +122,7 @@ def json_patch(target: Any, ops: Any) -> Any:
         raise ApiError(422, 'Invalid', f'the server rejected our request due to an error in our request: {e}')
 
 
-def apply_patch(content_type: str, target: dict[str, Any], patch: Any, *, custom: bool) -> dict[str, Any]:
+def check_content_type(content_type: str, *, custom: bool) -> str:
     ctype = content_type.split(';')[0].strip().lower()
     if ctype in (APPLY, APPLY_CBOR):
         raise ApiError(415, 'UnsupportedMediaType',
@@ -136,6 +136,11 @@ def apply_patch(content_type: str, target: dict[str, Any], patch: Any, *, custom
         raise ApiError(415, 'UnsupportedMediaType',
                        f'the body of the request was in an unknown format - accepted media types include: '
                        f'{JSON_PATCH}, {MERGE}, {APPLY}, {STRATEGIC}')
+    return ctype
+
+
+def apply_patch(content_type: str, target: dict[str, Any], patch: Any, *, custom: bool) -> dict[str, Any]:
+    ctype = check_content_type(content_type, custom=custom)
     if ctype == JSON_PATCH:
         result = json_patch(target, patch)
     elif not isinstance(patch, dict):

@@ -4,6 +4,8 @@ custom resources registered dynamically from CustomResourceDefinition objects; a
 discovery documents (``/api``, ``/api/v1``, ``/apis``, ``/apis/G``, ``/apis/G/V``).
 """
 import dataclasses
+import gzip
+import importlib.resources
 import re
 from typing import Any
 
@@ -29,6 +31,7 @@ class ResourceDef:
     printer_columns: list[dict[str, Any]] | None = None  # None: a built-in (server-side printer)
     schema: dict[str, Any] | None = None  # openAPIV3Schema of a CRD version
     selectable_fields: set[str] = dataclasses.field(default_factory=set)
+    scale_paths: dict[str, str] | None = None  # a CRD's subresources.scale
     custom: bool = False
 
     @property
@@ -77,8 +80,9 @@ def version_priority(version: str) -> tuple[int, int, int]:
 class Registry:
     def __init__(self) -> None:
         self.defs: dict[tuple[str, str, str], ResourceDef] = {}
-        bundle = kmock.ResourcesArray()
-        bundle.load_bundled()
+        bundle = kmock.ResourcesArray()  # == bundle.load_bundled(), without its DeprecationWarning
+        bundle.load_data(gzip.decompress(importlib.resources.files('kmock._internal')
+                                         .joinpath('resources.json.gz').read_bytes()))
         for res in bundle:
             info = bundle[res]
             if res.group in _NOT_BUILTIN or res.plural is None or res.group is None or res.version is None:
@@ -134,7 +138,7 @@ class Registry:
                 subresources=subresources, printer_columns=list(columns),
                 schema=(ver.get('schema') or {}).get('openAPIV3Schema'),
                 selectable_fields={f['jsonPath'].lstrip('.') for f in ver.get('selectableFields') or []},
-                custom=True,
+                scale_paths=(ver.get('subresources') or {}).get('scale'), custom=True,
             ))
 
     def unregister_crd(self, crd: dict[str, Any]) -> None:

@@ -3,13 +3,15 @@ Structural-schema handling for custom resources, like the API server does it on 
 defaulting (``default``), pruning of unknown fields (unless ``x-kubernetes-preserve-unknown-fields``)
 and the common OpenAPI validations (type, nullable, enum, required, minimum/maximum, exclusive
 bounds, minLength/maxLength, pattern, minItems/maxItems, maxProperties/minProperties,
-x-kubernetes-int-or-string, x-kubernetes-embedded-resource). Not done: CEL rules
-(``x-kubernetes-validations``), ``format`` checks, ``anyOf``/``oneOf``/``not``, list-type/map-keys
-uniqueness. A write that fails validation is a 422 Invalid, with causes.
+x-kubernetes-int-or-string, x-kubernetes-embedded-resource) and CEL rules (``x-kubernetes-validations``,
+see cel.py). Not done: ``format`` checks, ``anyOf``/``oneOf``/``not``, list-type/map-keys uniqueness,
+validation ratcheting. A write that fails validation is a 422 Invalid, with causes.
 """
 import copy
 import re
 from typing import Any
+
+from . import cel
 
 _TYPES = {
     'object': dict, 'array': list, 'string': str, 'boolean': bool,
@@ -72,8 +74,9 @@ def _apply_defaults(value: dict[str, Any], schema: dict[str, Any], root: bool = 
             value[key] = _prune(copy.deepcopy(sub['default']), sub)
 
 
-def validate(obj: dict[str, Any], schema: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """Return (field path, message) pairs; empty when valid."""
+def validate(obj: dict[str, Any], schema: dict[str, Any] | None,
+             old: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """Return (field path, message) pairs; empty when valid. ``old``: the stored object on updates."""
     if not schema:
         return []
     errors: list[tuple[str, str]] = []
@@ -81,11 +84,17 @@ def validate(obj: dict[str, Any], schema: dict[str, Any] | None) -> list[tuple[s
         if key in ('apiVersion', 'kind', 'metadata'):
             continue
         if key in obj:
-            _validate(obj[key], sub, key, errors)
+            _validate(obj[key], sub, key, errors, *_old_of(old, key))
     for key in schema.get('required') or []:
         if key not in obj:
             errors.append((key, 'Required value'))
+    if not errors:
+        cel.check(schema.get('x-kubernetes-validations') or [], obj, '<root>', old, old is not None, errors)
     return errors
+
+
+def _old_of(old: Any, key: str) -> tuple[Any, bool]:
+    return (old[key], True) if isinstance(old, dict) and key in old else (None, False)
 
 
 def _type_name(value: Any) -> str:
@@ -118,7 +127,9 @@ def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
     return isinstance(value, _TYPES.get(expected, object))
 
 
-def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[str, str]]) -> None:
+def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[str, str]],
+              old: Any = None, has_old: bool = False) -> None:
+    start = len(errors)
     if value is None:
         if not schema.get('nullable') and schema.get('type'):
             errors.append((path, f'Invalid value: "null": {path} in body must be of type {schema["type"]}: "null"'))
@@ -167,12 +178,14 @@ def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[
         props = schema.get('properties') or {}
         for key, sub in props.items():
             if key in value:
-                _validate(value[key], sub, f'{path}.{key}', errors)
+                _validate(value[key], sub, f'{path}.{key}', errors, *_old_of(old if has_old else None, key))
         addl = schema.get('additionalProperties')
         if isinstance(addl, dict):
             for key, item in value.items():
                 if key not in props:
-                    _validate(item, addl, f'{path}.{key}', errors)
+                    _validate(item, addl, f'{path}.{key}', errors, *_old_of(old if has_old else None, key))
         for key in schema.get('required') or []:
             if key not in value:
                 errors.append((f'{path}.{key}', 'Required value'))
+    if len(errors) == start:  # like a real server: rules run only on otherwise valid values
+        cel.check(schema.get('x-kubernetes-validations') or [], value, path, old, has_old, errors)

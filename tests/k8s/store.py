@@ -51,6 +51,7 @@ class Store(Lifecycle):
         self.policies: dict[Key, str] = {}  # deletion propagation remembered until finalizers clear
         self.compacted_rv = 0  # watches from an older resourceVersion get 410 Gone
         self.listeners: set[Callable[[Event], None]] = set()
+        self.closed = False  # set at shutdown: open watches end
         self.schedule: Callable[[float, Callable[[], None]], None] | None = None  # set by the server
         for name in INITIAL_NAMESPACES:
             self.create(self.rd('', 'v1', 'namespaces'), None, {'metadata': {'name': name}})
@@ -110,11 +111,12 @@ class Store(Lifecycle):
 
     # --- validation ------------------------------------------------------------------------------
 
-    def _validate_meta(self, rd: ResourceDef, obj: dict[str, Any]) -> None:
+    def _validate_meta(self, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None = None) -> None:
         meta = obj['metadata']
         name = meta.get('name', '')
         causes = []
-        if not _NAME_RE.fullmatch(name) or len(name) > 253:
+        label_only = (rd.group, rd.plural) in (('', 'namespaces'), ('', 'services'))  # DNS labels, no dots
+        if not _NAME_RE.fullmatch(name) or len(name) > (63 if label_only else 253) or (label_only and '.' in name):
             causes.append(('metadata.name', f'Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist'
                                             ' of lower case alphanumeric characters, \'-\' or \'.\', and must start'
                                             ' and end with an alphanumeric character'))
@@ -130,18 +132,18 @@ class Store(Lifecycle):
             if not isinstance(value, str):
                 raise ApiError.bad_request(f'annotation {key!r} must be a string')
         if rd.custom:
-            causes += schema.validate(obj, rd.schema)
+            causes += schema.validate(obj, rd.schema, old)
         if causes:
             raise ApiError.invalid(rd.kind_group, name, causes)
 
-    def _prepare(self, rd: ResourceDef, obj: dict[str, Any]) -> dict[str, Any]:
+    def _prepare(self, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
         obj['apiVersion'], obj['kind'] = rd.api_version, rd.kind
         obj['metadata'] = {k: v for k, v in obj['metadata'].items() if k in _META_KEYS and v is not None}
         obj['metadata'].pop('managedFields', None)
         obj['metadata'].pop('selfLink', None)
         if rd.custom:
             obj = schema.prune_and_default(obj, rd.schema)
-        self._validate_meta(rd, obj)
+        self._validate_meta(rd, obj, old)
         return obj
 
     # --- create ----------------------------------------------------------------------------------
@@ -215,6 +217,8 @@ class Store(Lifecycle):
             obj['status'] = {**(obj.get('status') or {}), 'phase': phase}
         if (rd.group, rd.plural) == ('apiextensions.k8s.io', 'customresourcedefinitions'):
             self._admit_crd(obj)
+        if (rd.group, rd.plural) == ('', 'secrets') and not obj.get('type'):
+            obj['type'] = 'Opaque'
 
     def _admit_crd(self, crd: dict[str, Any]) -> None:
         spec = crd.get('spec') or {}
@@ -266,10 +270,14 @@ class Store(Lifecycle):
         if rd.namespaced and meta.get('namespace') and meta['namespace'] != namespace:
             raise ApiError.bad_request('the namespace of the provided object does not match the namespace sent'
                                        ' on the request')
+        if rd.custom and not meta.get('resourceVersion'):  # custom resources allow no unconditional PUT
+            raise ApiError.invalid(rd.kind_group, name, [('metadata.resourceVersion',
+                                                          'Invalid value: 0x0: must be specified for an update')])
         return self._replace(rd, old, copy.deepcopy(body), subresource, dry_run)
 
     def patch(self, rd: ResourceDef, namespace: str | None, name: str, content_type: str, patch: Any,
               subresource: str | None = None, dry_run: bool = False) -> dict[str, Any]:
+        patching.check_content_type(content_type, custom=rd.custom)
         old = self.find(rd, namespace, name)
         patched = patching.apply_patch(content_type, self.render(rd, old), patch, custom=rd.custom)
         meta = patched.setdefault('metadata', {}) if isinstance(patched.get('metadata'), dict) else None
@@ -318,7 +326,7 @@ class Store(Lifecycle):
                                                      f' can be added if the object is being deleted, found new'
                                                      f' finalizers {sorted(added)}')
         new['metadata']['resourceVersion'] = old_meta['resourceVersion']
-        new = self._prepare(rd, new)
+        new = self._prepare(rd, new, old)
         self._admit(rd, new, old)
         if self._spec_changed(rd, old, new):
             new['metadata']['generation'] = old_meta.get('generation', 1) + 1

@@ -84,6 +84,7 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
         await response.prepare(raw)
         if gone is not None:
             await response.write(json.dumps({'type': 'ERROR', 'object': gone.status()}).encode() + b'\n')
+            await response.write_eof()
             return response
         for etype, obj in initial:
             await send(etype, obj)
@@ -95,7 +96,7 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=min(TICK, remaining))
             except TimeoutError:
-                if raw.transport is None or raw.transport.is_closing():
+                if raw.transport is None or raw.transport.is_closing() or store.closed:
                     break
                 if bookmarks and loop.time() - last_bookmark >= bookmark_interval:
                     await send('BOOKMARK', bookmark(store.rv))
@@ -106,7 +107,7 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
                 if typed:
                     await send(typed, store.render(rd, event.object))
         await response.write_eof()
-    except (ConnectionError, RuntimeError, asyncio.CancelledError):
+    except (ConnectionError, RuntimeError):
         pass  # the client went away
     finally:
         store.listeners.discard(queue.put_nowait)

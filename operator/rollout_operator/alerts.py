@@ -1,0 +1,153 @@
+"""The Alertmanager webhook: ``POST /alerts`` rolls back the canary a firing alert names.
+
+An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
+``model`` + ``version`` (the canary being rolled out). The webhook only marks the object (the
+``mnnrollout.io/alert`` annotation); the replica that holds the peering lease acts on it at once
+through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
+missing or wrong bearer token 401, and neither changes anything.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .kube import ApiError, KubeClient
+from .reconcile import ALERT_ANNOTATION
+
+log = logging.getLogger(__name__)
+MAX_BODY = 1 << 20
+
+
+class PayloadError(ValueError):
+    pass
+
+
+def parse_payload(body: bytes) -> list[dict[str, Any]]:
+    """The alerts of an Alertmanager webhook (version 4) payload; PayloadError says what is wrong."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PayloadError(f"body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PayloadError("body: expected an object")
+    alerts = data.get("alerts")
+    if not isinstance(alerts, list):
+        raise PayloadError("alerts: required, a list")
+    for i, alert in enumerate(alerts):
+        if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
+            raise PayloadError(f"alerts[{i}].labels: required, an object")
+        if alert.get("status") not in ("firing", "resolved"):
+            raise PayloadError(f"alerts[{i}].status: {alert.get('status')!r} is not firing or resolved")
+    return alerts
+
+
+def targets(kube: KubeClient, labels: dict[str, str], namespaces: list[str] | None) -> list[dict[str, Any]]:
+    """ModelDeployments an alert's labels name, among those with a canary in flight."""
+    name = labels.get("modeldeployment") or labels.get("name")
+    namespace = labels.get("namespace")
+    if name and namespace:
+        md = kube.get("ModelDeployment", namespace, name)
+        return [md] if md else []
+    model, version = labels.get("model"), labels.get("version")
+    if not model or not version:
+        return []
+    found = []
+    for md in list_modeldeployments(kube, namespaces):
+        spec, status = md.get("spec") or {}, md.get("status") or {}
+        if (spec.get("model") or md["metadata"]["name"]) == model and status.get("canaryVersion") == version:
+            if namespace in (None, md["metadata"]["namespace"]):
+                found.append(md)
+    return found
+
+
+def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> list[dict[str, Any]]:
+    if namespaces:
+        return [md for ns in namespaces for md in kube.list("ModelDeployment", ns)]
+    return list(kube.request("GET", "/apis/mnnrollout.io/v1alpha1/modeldeployments").get("items", []))
+
+
+def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str] | None) -> list[str]:
+    """Mark every ModelDeployment a firing alert names; returns ``namespace/name`` of each."""
+    marked = []
+    for alert in alerts:
+        labels = {str(k): str(v) for k, v in alert["labels"].items()}
+        alertname = labels.get("alertname", "alert")
+        if alert["status"] == "resolved":
+            log.info("alert %s resolved: %s", alertname, labels)
+            continue
+        for md in targets(kube, labels, namespaces):
+            meta = md["metadata"]
+            value = f"{alertname}@{alert.get('startsAt', '')}"
+            if (meta.get("annotations") or {}).get(ALERT_ANNOTATION) == value:
+                continue
+            kube.patch("ModelDeployment", meta["namespace"], meta["name"],
+                       {"metadata": {"annotations": {ALERT_ANNOTATION: value}}})
+            log.warning("alert %s firing for %s/%s: rolling back its canary", alertname, meta["namespace"],
+                        meta["name"])
+            marked.append(f"{meta['namespace']}/{meta['name']}")
+    return marked
+
+
+def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("webhook: " + fmt, *args)
+
+        def _reply(self, code: int, payload: dict[str, Any]) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._reply(200 if self.path == "/healthz" else 404, {"ok": self.path == "/healthz"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/alerts":
+                return self._reply(404, {"error": f"no such endpoint {self.path}"})
+            expected = token()
+            given = self.headers.get("Authorization", "")
+            if not expected or not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+                return self._reply(401, {"error": "missing or wrong bearer token"})
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                return self._reply(413, {"error": f"body over {MAX_BODY} bytes"})
+            try:
+                alerts = parse_payload(self.rfile.read(length))
+            except PayloadError as exc:
+                return self._reply(400, {"error": str(exc)})
+            try:
+                marked = handle(kube, alerts, namespaces)
+            except ApiError as exc:
+                log.error("webhook could not mark a ModelDeployment: %s", exc)
+                return self._reply(503, {"error": str(exc)})
+            return self._reply(200, {"rolledBack": marked})
+
+    return Handler
+
+
+class AlertWebhook:
+    """A threaded HTTP server beside kopf's event loop."""
+
+    def __init__(self, kube: KubeClient, host: str, port: int, token: Callable[[], str],
+                 namespaces: list[str] | None = None) -> None:
+        self.server = ThreadingHTTPServer((host, port), make_handler(kube, token, namespaces))
+        self.thread = threading.Thread(target=self.server.serve_forever, name="alert-webhook", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()

@@ -1,0 +1,1 @@
+"""Metric providers: one file each, one interface (base.py), one factory (factory.py)."""

@@ -1,0 +1,121 @@
+"""The ``direct`` provider: scrape every runtime pod's /metrics, no Prometheus needed.
+
+Counters and histogram buckets are summed across pods; the analysis interval's values are the
+deltas since the previous scrape of the same pod (a counter that went down means the pod
+restarted: its current value is the delta). The first scrape of an object only sets the baseline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..analysis import Sample
+from .base import QUANTILES, SampleContext
+
+REQUESTS = "mnn_inference_requests_total"
+BUCKETS = "mnn_inference_duration_seconds_bucket"
+
+# pod url -> series key -> value ; series key = (metric, version, label)
+Snapshot = dict[str, dict[tuple[str, str, str], float]]
+
+
+def parse(text: str, model: str) -> dict[tuple[str, str, str], float]:
+    out: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("model") != model:
+                continue
+            if s.name == REQUESTS:
+                out[(REQUESTS, s.labels["version"], s.labels["outcome"])] = s.value
+            elif s.name == BUCKETS:
+                out[(BUCKETS, s.labels["version"], s.labels["le"])] = s.value
+    return out
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """histogram_quantile over cumulative bucket deltas, linear inside the bucket."""
+    bounds = sorted(buckets)
+    if not bounds:
+        return None
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return prev_bound
+            if count == prev_count:
+                return bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+class DirectProvider:
+    def __init__(self, fetch: Callable[[str], str] | None = None, timeout: float = 2.0) -> None:
+        self._fetch = fetch or (lambda url: httpx.get(url + "/metrics", timeout=timeout).text)
+        self._previous: dict[str, tuple[float, Snapshot]] = {}
+        self._lock = threading.Lock()
+
+    def is_online(self) -> bool:
+        return True
+
+    def _scrape(self, urls: list[str], model: str) -> tuple[Snapshot, list[str]]:
+        def one(url: str) -> tuple[str, dict[tuple[str, str, str], float] | None, str | None]:
+            try:
+                return url, parse(self._fetch(url), model), None
+            except (httpx.HTTPError, ValueError) as exc:
+                return url, None, f"{url}: {exc or type(exc).__name__}"
+
+        snapshot: Snapshot = {}
+        errors = []
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
+            for url, series, err in pool.map(one, urls):
+                if series is None:
+                    errors.append(err or url)
+                else:
+                    snapshot[url] = series
+        return snapshot, errors
+
+    def sample(self, ctx: SampleContext) -> dict[str, Sample]:
+        if not ctx.pod_urls:
+            return {v: Sample(error="no runtime pods to scrape") for v in ctx.versions}
+        current, errors = self._scrape(list(ctx.pod_urls), ctx.model)
+        with self._lock:
+            previous = self._previous.get(ctx.key)
+            self._previous[ctx.key] = (time.monotonic(), current)
+        if previous is None:
+            return {v: Sample(error="baseline taken; values from the next interval") for v in ctx.versions}
+        if not current:
+            return {v: Sample(error="; ".join(errors) or "no pod answered") for v in ctx.versions}
+        delta: dict[tuple[str, str, str], float] = defaultdict(float)
+        for url, series in current.items():
+            before = previous[1].get(url, {})
+            for key, value in series.items():
+                old = before.get(key, 0.0)
+                delta[key] += value - old if value >= old else value  # a reset: the pod restarted
+        return {v: self._version_sample(v, delta) for v in ctx.versions}
+
+    @staticmethod
+    def _version_sample(version: str, delta: Mapping[tuple[str, str, str], float]) -> Sample:
+        outcomes = {label: value for (metric, v, label), value in delta.items() if metric == REQUESTS and v == version}
+        requests = sum(outcomes.values())
+        errors = outcomes.get("client_error", 0.0) + outcomes.get("server_error", 0.0)
+        buckets = {float(label): value for (metric, v, label), value in delta.items()
+                   if metric == BUCKETS and v == version}
+        latency = {name: quantile(q, buckets) for name, q in QUANTILES.items()}
+        return Sample(requests=requests, errors=errors, latency=latency)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._previous.pop(key, None)

@@ -1,0 +1,86 @@
+"""The ``prometheus`` provider: PromQL against a Prometheus server.
+
+Unreachable, erroring or empty answers give a Sample with ``error`` or ``None`` values, which the
+analysis treats as inconclusive: a rollout holds, and never promotes, on missing data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import httpx
+
+from ..analysis import Sample
+from .base import QUANTILES, SampleContext
+
+SELECTOR = 'model="{model}",version="{version}"'
+QUERIES = {
+    "requests": "sum(increase(mnn_inference_requests_total{%s}[{interval}]))" % SELECTOR,
+    "errors": 'sum(increase(mnn_inference_requests_total{%s,outcome!="success"}[{interval}]))' % SELECTOR,
+    "latency": "histogram_quantile({q}, sum by (le) (rate(mnn_inference_duration_seconds_bucket{%s}[{interval}])))"
+               % SELECTOR,
+}
+MIN_WINDOW_SECONDS = 10  # rate() needs several scrapes in its window
+
+
+class PrometheusError(Exception):
+    pass
+
+
+class PrometheusProvider:
+    def __init__(self, address: str, timeout: float = 5.0, headers: Mapping[str, str] | None = None) -> None:
+        self.address = address.rstrip("/")
+        self.timeout = timeout
+        self.headers = dict(headers or {})
+
+    def query(self, promql: str) -> float | None:
+        """The value of an instant query with one series; None when it returns nothing."""
+        try:
+            resp = httpx.get(f"{self.address}/api/v1/query", params={"query": promql}, timeout=self.timeout,
+                             headers=self.headers)
+        except httpx.HTTPError as exc:
+            raise PrometheusError(f"{self.address} unreachable: {exc or type(exc).__name__}") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            raise PrometheusError(f"{self.address} answered {resp.status_code} without JSON") from None
+        if resp.status_code != 200 or body.get("status") != "success":
+            raise PrometheusError(f"query {promql!r} failed: {body.get('error', resp.status_code)}")
+        result = body.get("data", {}).get("result", [])
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+        return None if value != value else value  # NaN (e.g. no requests for a quantile): no value
+
+    def is_online(self) -> bool:
+        try:
+            return httpx.get(f"{self.address}/-/ready", timeout=self.timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def sample(self, ctx: SampleContext) -> dict[str, Sample]:
+        window = f"{int(max(ctx.interval_seconds, MIN_WINDOW_SECONDS))}s"
+        out = {}
+        for version in ctx.versions:
+            values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window)
+            try:
+                requests = self.query(_fill(QUERIES["requests"], values))
+                errors = self.query(_fill(QUERIES["errors"], values))
+                latency = {name: self.query(_fill(QUERIES["latency"], {**values, "q": str(q)}))
+                           for name, q in QUANTILES.items()}
+                custom = {m.name: self.query(_fill(m.query, values)) for m in ctx.metrics if m.query}
+            except PrometheusError as exc:
+                out[version] = Sample(error=str(exc))
+                continue
+            out[version] = Sample(requests=requests if requests is not None else None,
+                                  errors=errors if errors is not None else (0.0 if requests else None),
+                                  latency=latency, custom=custom)
+        return out
+
+
+def _fill(template: str, values: Mapping[str, str]) -> str:
+    """Replace {model}, {version}, {namespace}, {interval}, {q}; other braces (PromQL) stay."""
+    out = template
+    for key, value in values.items():
+        out = out.replace("{" + key + "}", value)
+    return out

@@ -1,0 +1,125 @@
+"""Operator lifecycle: idempotent reconciles, conflicts, deleted children, restarts, deletion, HA."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.operator.cluster import MD_PATH, Cluster, wait_for
+from tests.operator.test_e2e_basic import ready_cluster, served
+
+pytestmark = pytest.mark.timeout(240)
+OWNED = {"configmaps", "deployments", "services", "serviceaccounts", "roles", "rolebindings", "modeldeployments"}
+KEYS = [f"user-{i}" for i in range(200)]
+
+
+def operator_writes(cluster: Cluster) -> list[dict]:  # type: ignore[type-arg]
+    return [r for r in cluster.emu.write_requests()
+            if r.get("resource") in OWNED and "mnn-rollout-operator" in (r.get("userAgent") or "")
+            or r.get("resource") in OWNED and (r.get("userAgent") or "").startswith("kopf")]
+
+
+def test_reconciling_an_unchanged_object_makes_no_writes(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    time.sleep(3)  # let the last status settle
+    cluster.emu.reset_requests()
+    time.sleep(6)  # six resync periods
+    assert operator_writes(cluster) == []
+    reads = [r for r in cluster.emu.requests() if r.get("resource") == "pods" and r["method"] == "GET"]
+    assert len(reads) >= 4  # it did observe, several times
+
+
+def test_a_409_conflict_on_a_child_write_is_retried(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    cluster.emu.inject_fault(code=409, method="PUT", path="configmaps/scorer-routing", times=2,
+                             reason="Conflict", message="the object has been modified")
+    cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":50,"v2":50}}}')
+    wait_for(lambda: cluster.configmap_weights() == {"v1": 50, "v2": 50}, 30, "weights written despite 409s")
+    wait_for(lambda: cluster.status()["weights"] == {"v1": 50, "v2": 50}, 10, "status weights")
+
+
+def test_a_deleted_child_is_recreated(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    cluster.emu.kubectl("delete", "configmap", "scorer-routing")
+    cluster.emu.kubectl("delete", "service", "scorer")
+    wait_for(lambda: cluster.emu.request("GET", "/api/v1/namespaces/default/configmaps/scorer-routing")[0] == 200
+             and cluster.emu.request("GET", "/api/v1/namespaces/default/services/scorer")[0] == 200, 20,
+             "children recreated")
+    wait_for(lambda: "ChildrenRecreated" in cluster.event_reasons(), 10, "ChildrenRecreated event")
+
+
+def test_an_operator_killed_mid_way_resumes_without_duplicates_or_lost_status(cluster: Cluster) -> None:
+    pods = ready_cluster(cluster, weights={"v1": 60, "v2": 40})
+    wait_for(lambda: cluster.status()["weights"] == {"v1": 60, "v2": 40}, 20, "weights applied")
+    before = cluster.status()
+    routes = [served(p, KEYS) for p in pods]
+    cluster.operators[0].kill(signal.SIGKILL)
+    cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":30,"v2":70}}}')
+    time.sleep(1)
+    assert cluster.configmap_weights() == {"v1": 60, "v2": 40}  # nobody acted while it was down
+    assert [served(p, KEYS) for p in pods] == routes  # and traffic went on
+    cluster.start_operator()
+    wait_for(lambda: cluster.configmap_weights() == {"v1": 30, "v2": 70}, 30, "new operator applies the change")
+    status = cluster.status()
+    assert status["stableVersion"] == before["stableVersion"]
+    assert [c["type"] for c in status["conditions"]] == [c["type"] for c in before["conditions"]]
+    for plural, prefix in (("configmaps", "/api/v1"), ("services", "/api/v1"), ("deployments", "/apis/apps/v1")):
+        items = cluster.emu.request("GET", f"{prefix}/namespaces/default/{plural}")[1]["items"]
+        names = [i["metadata"]["name"] for i in items if i["metadata"]["name"].startswith("scorer")]
+        assert len(names) == len(set(names)) == 1, names
+
+
+def test_delete_removes_the_finalizer_and_garbage_collects_every_child(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    md = cluster.md()
+    # kopf holds a finalizer while its per-object daemon runs; deletion must remove it.
+    assert md["metadata"].get("finalizers") == ["mnnrollout.io/finalizer"]
+    uid = md["metadata"]["uid"]
+    children = {
+        "configmaps": "/api/v1/namespaces/default/configmaps/scorer-routing",
+        "services": "/api/v1/namespaces/default/services/scorer",
+        "deployments": "/apis/apps/v1/namespaces/default/deployments/scorer-runtime",
+        "serviceaccounts": "/api/v1/namespaces/default/serviceaccounts/scorer-runtime",
+        "roles": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/scorer-runtime",
+        "rolebindings": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/scorer-runtime",
+    }
+    for path in children.values():
+        owners = cluster.emu.request("GET", path)[1]["metadata"]["ownerReferences"]
+        assert owners == [{"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment", "name": "scorer",
+                           "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+    role = cluster.emu.request("GET", children["roles"])[1]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["scorer-routing"],
+                              "verbs": ["get", "list", "watch"]}]
+    cluster.emu.kubectl("delete", "md", "scorer", "--timeout=30s")
+    assert cluster.emu.request("GET", f"{MD_PATH}/scorer")[0] == 404
+    for path in children.values():
+        wait_for(lambda p=path: cluster.emu.request("GET", p)[0] == 404, 20, f"{path} collected")
+    wait_for(lambda: cluster.kubelet.pods("scorer-runtime", "default", include_terminating=True) == [], 30,
+             "runtime processes ended")
+
+
+def test_two_replicas_with_peering_only_one_acts_and_the_other_takes_over(cluster: Cluster) -> None:
+    high = cluster.start_operator("--priority", "200")
+    low = cluster.start_operator("--priority", "100")
+    cluster.apply(cluster.manifest("scorer.yaml"))
+    cluster.wait_ready()
+    wait_for(lambda: cluster.status().get("phase") == "Ready", 60, "phase Ready")
+    time.sleep(3)
+    assert "mnn_rollout_reconciles_total{outcome=\"ok\"} 0.0" in low.metrics()  # it never acted
+    assert "mnn_rollout_reconciles_total{outcome=\"ok\"} 0.0" not in high.metrics()
+    high.kill(signal.SIGTERM)
+    cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":90,"v2":10}}}')
+    wait_for(lambda: cluster.configmap_weights() == {"v1": 90, "v2": 10}, 60, "the standby replica took over")
+
+
+def test_operator_metrics_report_reconciles_phase_and_weights(cluster: Cluster) -> None:
+    ready_cluster(cluster, weights={"v1": 75, "v2": 25})
+    wait_for(lambda: cluster.configmap_weights() == {"v1": 75, "v2": 25}, 20, "weights applied")
+    text = wait_for(lambda: (t := cluster.operators[0].metrics()) and
+                    'mnn_rollout_version_weight_percent{name="scorer",namespace="default",version="v2"} 25.0' in t
+                    and t, 10, "weight metric")
+    assert 'mnn_rollout_phase{name="scorer",namespace="default",phase="Ready"} 1.0' in text
+    assert 'mnn_rollout_phase{name="scorer",namespace="default",phase="Progressing"} 0.0' in text
+    assert "mnn_rollout_reconcile_duration_seconds_count" in text
