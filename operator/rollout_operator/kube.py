@@ -120,9 +120,10 @@ class KubeClient:
         meta = obj["metadata"]
         return dict(self.request("POST", self.path(obj["kind"], meta["namespace"]), body=obj))
 
-    def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def replace(self, obj: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
         meta = obj["metadata"]
-        return dict(self.request("PUT", self.path(obj["kind"], meta["namespace"], meta["name"]), body=obj))
+        return dict(self.request("PUT", self.path(obj["kind"], meta["namespace"], meta["name"], subresource),
+                                 body=obj))
 
     def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
               subresource: str | None = None) -> dict[str, Any]:

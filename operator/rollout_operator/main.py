@@ -33,7 +33,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.settings_hook(settings)
 
 
-def _post(body: kopf.Body, outcome: Outcome) -> None:
+def _post(body: Any, outcome: Outcome) -> None:
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
@@ -44,7 +44,9 @@ def _post(body: kopf.Body, outcome: Outcome) -> None:
 def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Spec or annotations changed (or the operator started): reconcile now."""
     reconciler: Reconciler = memo.reconciler
-    _post(body, reconciler.reconcile(dict(body)))
+    outcome = reconciler.reconcile(dict(body))
+    if outcome is not None:
+        _post(body, outcome)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5, backoff=1)
@@ -61,7 +63,7 @@ def observe(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.M
                 return
             if not live.get("metadata", {}).get("deletionTimestamp"):
                 outcome = reconciler.reconcile(live)
-                for event in outcome.events:
+                for event in outcome.events if outcome else []:
                     kopf.event(live, type=event.type, reason=event.reason, message=event.message)
         except Exception:  # keep observing; the next pass retries
             log.exception("reconcile of %s/%s failed; retrying", namespace, name)

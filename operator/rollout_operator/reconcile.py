@@ -54,13 +54,18 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault(uid, threading.Lock())
 
-    def reconcile(self, body: dict[str, Any]) -> Outcome:
-        """Reconcile the object as given; handlers pass kopf's body, tests pass an API object."""
+    def reconcile(self, body: dict[str, Any]) -> Outcome | None:
+        """Reconcile the object ``body`` names. The live object is re-read under a per-object lock,
+        so a handler holding an older body never decides from (or writes over) a newer status.
+        Returns None when the object is gone."""
         meta = body["metadata"]
         with self._lock(meta["uid"]):
             started = time.perf_counter()
             try:
-                outcome = self._reconcile(body)
+                live = self.kube.get("ModelDeployment", meta["namespace"], meta["name"])
+                if live is None or live["metadata"].get("uid") != meta["uid"]:
+                    return None
+                outcome = self._reconcile(live)
             except Exception:
                 self.metrics.reconciles.labels("error").inc()
                 raise
@@ -79,7 +84,7 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError as exc:
-            return self._invalid(namespace, name, status, generation, str(exc), now)
+            return self._invalid(body, status, str(exc), now)
 
         target = children.Target(name, namespace, children.owner_reference(body))
         model = spec.model_name(name)
@@ -101,7 +106,7 @@ class Reconciler:
         written = self.kube.ensure_all(children.render_all(target, spec, config))
         first = not (body.get("status") or {}).get("observedGeneration")
         events.extend(self._child_events(first, status, new, written))
-        wrote = self._write_status(namespace, name, body.get("status") or {}, new)
+        wrote = self._write_status(body, new)
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote)
 
@@ -127,13 +132,12 @@ class Reconciler:
             return None
         return self.analyzer(spec, status, body, observation, now)
 
-    def _invalid(self, namespace: str, name: str, status: RolloutStatus, generation: int | None, message: str,
-                 now: float) -> Outcome:
+    def _invalid(self, body: dict[str, Any], status: RolloutStatus, message: str, now: float) -> Outcome:
         new = mark_invalid(status, message, now)
         events = []
         if status.phase != Phase.INVALID_SPEC or status.message != message:
             events.append(Event("Warning", "InvalidSpec", message))
-        wrote = self._write_status(namespace, name, status.to_dict(), new)
+        wrote = self._write_status(body, new)
         return Outcome(new, events, {}, wrote)
 
     @staticmethod
@@ -149,12 +153,16 @@ class Reconciler:
             events.append(Event("Normal", "VersionsChanged", f"versions {old_versions} -> {new_versions}"))
         return events
 
-    def _write_status(self, namespace: str, name: str, raw_old: dict[str, Any], new: RolloutStatus) -> bool:
+    def _write_status(self, body: dict[str, Any], new: RolloutStatus) -> bool:
+        """Write the whole status, only when it changed, and only over the version it was decided
+        from (resourceVersion precondition: a concurrent writer makes this a 409, retried later)."""
+        meta = body["metadata"]
+        old = body.get("status") or {}
         desired = new.to_dict()
-        patch = {k: v for k, v in desired.items() if raw_old.get(k) != v}
-        if not patch:
+        if old == desired:
             return False
-        self.kube.patch("ModelDeployment", namespace, name, {"status": patch}, subresource="status")
+        # PUT, not a merge patch: a merge patch would keep map keys (weights) that were removed.
+        self.kube.replace({**body, "status": desired}, subresource="status")
         return True
 
     def _count(self, namespace: str, name: str, old: RolloutStatus, new: RolloutStatus,

@@ -65,11 +65,13 @@ def decide(
 
 
 def _adopt_stable(spec: ModelDeploymentSpec, st: RolloutStatus) -> RolloutStatus:
+    """The stable version lives in status (a promotion changes it); ``spec.stable`` sets it when
+    first given and whenever the user changes it, never again after that."""
     names = [v.name for v in spec.versions]
     stable = st.stable_version if st.stable_version in names else None
-    if spec.stable and spec.stable != st.stable_version and spec.stable != st.canary_version:
-        stable = spec.stable  # an explicit change of stable by the user
-    return replace(st, stable_version=stable or spec.stable or names[0])
+    if spec.stable and spec.stable != st.declared_stable:
+        stable = spec.stable
+    return replace(st, stable_version=stable or spec.stable or names[0], declared_stable=spec.stable)
 
 
 def _no_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, events: list[Event],
@@ -112,7 +114,7 @@ def hold_unready(desired: Mapping[str, int], current: Mapping[str, int], stable:
 
 def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
             analysis: Analysis | None, now: float, events: list[Event]) -> RolloutStatus:
-    if st.canary_version != canary:
+    if st.canary_version != canary or (st.current_step is None and st.phase not in (Phase.ROLLED_BACK, Phase.FAILED)):
         midway = st.canary_version is not None and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
         st, analysis = _start(spec, st, canary, now, events, restarted=midway), None
     elif st.phase in (Phase.ROLLED_BACK, Phase.FAILED):

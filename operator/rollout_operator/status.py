@@ -52,6 +52,7 @@ _KEYS: dict[str, tuple[str, str]] = {
     "promoted_at": ("promotedAt", "time"),
     "rolled_back_at": ("rolledBackAt", "time"),
     "previous_stable": ("previousStable", "plain"),
+    "declared_stable": ("declaredStable", "plain"),
     "failures": ("failures", "plain"),
     "analysis": ("analysis", "plain"),
     "abort_reason": ("abortReason", "plain"),
@@ -81,6 +82,7 @@ class RolloutStatus:
     promoted_at: float | None = None
     rolled_back_at: float | None = None
     previous_stable: str | None = None
+    declared_stable: str | None = None
     failures: int = 0
     analysis: dict[str, Any] = field(default_factory=dict)
     abort_reason: str | None = None
@@ -122,7 +124,8 @@ class RolloutStatus:
                 value = list(value)
             elif kind == "phase":
                 value = value.value
-            out[key] = value
+            if value is not None:  # absent, not null: the schema types every field
+                out[key] = value
         return out
 
 

@@ -55,7 +55,8 @@ def _cmd_examples(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(requests=args.requests, users=args.users, workdir=args.workdir)
+    return run_demo(scenario=args.scenario, step_seconds=args.step_seconds, workdir=args.workdir, rate=args.rate,
+                    users=args.users, time_limit=args.time_limit)
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
@@ -97,10 +98,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'large' also builds a >=50 MB version for memory benchmarks")
     p.set_defaults(func=_cmd_examples)
 
-    p = sub.add_parser("demo", help="build the examples, serve v1:90/v2:10 and show the split")
-    p.add_argument("--requests", type=int, default=3000, help="requests to send (default 3000)")
-    p.add_argument("--users", type=int, default=1000, help="distinct user ids (default 1000)")
-    p.add_argument("--workdir", default=None, help="where to build models (default: a temp dir)")
+    def _positive(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+        return value
+
+    p = sub.add_parser("demo", help="a canary rollout with no cluster: the operator's state machine drives a "
+                                     "local runtime while many users send traffic")
+    p.add_argument("--scenario", choices=["promote", "breaking", "slow"], default="promote",
+                   help="promote: healthy v2 is promoted (default); breaking: v2-breaking fails requests and is "
+                        "rolled back; slow: v2-slow is a latency regression and is rolled back")
+    p.add_argument("--step-seconds", type=_positive, default=5.0, help="pause of each step (default 5)")
+    p.add_argument("--rate", type=_positive, default=300.0, help="requests/s of all users together (default 300)")
+    p.add_argument("--users", type=lambda t: int(_positive(t)), default=2000, help="distinct user ids (default 2000)")
+    p.add_argument("--time-limit", type=_positive, default=100.0,
+                   help="give up on the rollout after this many seconds (default 100)")
+    p.add_argument("--workdir", default=None, help="where to build models and write the runtime config "
+                                                   "(default: a temp dir)")
     p.set_defaults(func=_cmd_demo)
     return parser
 

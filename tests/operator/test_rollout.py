@@ -139,6 +139,21 @@ def test_after_promotion_the_old_stable_retires_after_the_delay() -> None:
     assert st2 == st and events == []
 
 
+def test_a_promotion_is_not_undone_by_the_stable_named_in_the_spec() -> None:
+    s = spec(stable="v1")
+    st, _ = decide(s, RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}), READY, None, T0)
+    st = replace(st, current_step=1, canary_weight=50, weights={"v2": 50, "v1": 50},
+                 analysis={"verdict": "pass"}, step_started_at=T0)
+    st, _ = decide(s, st, READY, None, T0 + 11)
+    assert st.phase == Phase.PROMOTING and st.stable_version == "v2"
+    for t in (12, 20, 50):
+        st, _ = decide(s, st, READY, None, T0 + t)
+        assert st.stable_version == "v2" and st.weights.get("v2") == 100
+    assert st.phase == Phase.SUCCEEDED
+    changed, _ = decide(spec(stable="v2", canary=None), st, READY, None, T0 + 60)
+    assert changed.stable_version == "v2" and changed.phase == Phase.READY
+
+
 def test_changing_the_canary_mid_rollout_restarts_cleanly() -> None:
     s3 = spec(versions=[{"name": "v1", "uri": "a"}, {"name": "v2", "uri": "b"}, {"name": "v3", "uri": "c"}],
               canary="v3")

@@ -1,0 +1,337 @@
+"""The Alertmanager webhook (rollout_operator/alerts.py) over real HTTP against the API emulator,
+and end to end behind a real Alertmanager (and Prometheus alerting rules)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes
+import pytest
+import yaml
+
+from rollout_operator.alerts import AlertWebhook
+from rollout_operator.kube import KubeClient
+from rollout_operator.reconcile import ALERT_ANNOTATION
+from tests.k8s.harness import EmulatorProcess
+from tests.promstack import (  # noqa: F401  (fixtures)
+    Alertmanager,
+    Prometheus,
+    alertmanager_factory,
+    prometheus_factory,
+    send,
+    write_runtime_config,
+)
+from tests.runtime_server import RuntimeServer
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "modeldeployment.yaml"
+TOKEN = "webhook-s3cret"
+STARTS_AT = "2025-01-02T03:04:05.678Z"
+CANARY_STATUS = {"canaryVersion": "v2", "stableVersion": "v1", "phase": "Progressing"}
+
+
+@pytest.fixture
+def emu(k8s_emulator_factory: Callable[..., EmulatorProcess]) -> EmulatorProcess:
+    return k8s_emulator_factory(crds=[CRD])
+
+
+@pytest.fixture
+def kube(emu: EmulatorProcess) -> Iterator[KubeClient]:
+    cfg = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=str(emu.kubeconfig_path), client_configuration=cfg)
+    client = KubeClient(cfg)
+    yield client
+    client.close()
+
+
+def create_md(kube: KubeClient, name: str = "scorer", namespace: str = "default", model: str = "scorer",
+              status: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ModelDeployment like examples/scorer-canary.yaml, with its status set through /status."""
+    md = yaml.safe_load((ROOT / "examples" / "scorer-canary.yaml").read_text())
+    md["metadata"] = {"name": name, "namespace": namespace}
+    md["spec"]["model"] = model
+    kube.create(md)
+    if status is not None:
+        kube.patch("ModelDeployment", namespace, name, {"status": status}, subresource="status")
+    live = kube.get("ModelDeployment", namespace, name)
+    assert live is not None
+    return live
+
+
+@pytest.fixture
+def scorer(kube: KubeClient) -> dict[str, Any]:
+    return create_md(kube, status=CANARY_STATUS)
+
+
+@pytest.fixture
+def webhook(kube: KubeClient) -> Iterator[AlertWebhook]:
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN)
+    hook.start()
+    yield hook
+    hook.stop()
+    hook.server.server_close()
+
+
+def url(hook: AlertWebhook) -> str:
+    return f"http://127.0.0.1:{hook.port}/alerts"
+
+
+def post(hook: AlertWebhook, payload: Any, token: str | None = TOKEN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    if isinstance(payload, bytes):
+        return httpx.post(url(hook), content=payload, headers=headers, timeout=10)
+    return httpx.post(url(hook), json=payload, headers=headers, timeout=10)
+
+
+def alert(labels: dict[str, str], status: str = "firing", starts_at: str = STARTS_AT) -> dict[str, Any]:
+    return {"status": status, "labels": labels, "annotations": {}, "startsAt": starts_at,
+            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "", "fingerprint": "0"}
+
+
+def payload(*alerts: dict[str, Any]) -> dict[str, Any]:
+    firing = any(a.get("status") == "firing" for a in alerts)
+    return {"version": "4", "status": "firing" if firing else "resolved", "receiver": "mnn-rollout",
+            "groupKey": "{}:{}", "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {},
+            "externalURL": "http://127.0.0.1:9093", "truncatedAlerts": 0, "alerts": list(alerts)}
+
+
+def mark(kube: KubeClient, name: str = "scorer", namespace: str = "default") -> str | None:
+    md = kube.get("ModelDeployment", namespace, name)
+    assert md is not None
+    return (md["metadata"].get("annotations") or {}).get(ALERT_ANNOTATION)
+
+
+def md_writes(emu: EmulatorProcess) -> int:
+    return len(emu.write_requests("modeldeployments"))
+
+
+def test_a_missing_or_wrong_bearer_token_gets_401_and_changes_nothing(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    writes = md_writes(emu)
+    body = payload(alert({"alertname": "A", "namespace": "default", "modeldeployment": "scorer"}))
+    for token in (None, "wrong", TOKEN + "x", TOKEN[:-1], TOKEN.upper()):
+        resp = post(webhook, body, token=token)
+        assert resp.status_code == 401, (token, resp.text)
+        assert "bearer token" in resp.json()["error"]
+    resp = httpx.post(url(webhook), json=body, headers={"Authorization": TOKEN}, timeout=10)  # no "Bearer "
+    assert resp.status_code == 401
+    assert md_writes(emu) == writes and mark(kube) is None
+
+
+def test_an_empty_configured_token_refuses_everyone(emu: EmulatorProcess, kube: KubeClient,
+                                                    scorer: dict[str, Any]) -> None:
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: "")
+    hook.start()
+    try:
+        body = payload(alert({"alertname": "A", "namespace": "default", "modeldeployment": "scorer"}))
+        assert post(hook, body, token="anything").status_code == 401
+        assert post(hook, body, token=None).status_code == 401
+        resp = httpx.post(url(hook), json=body, headers={"Authorization": "Bearer"}, timeout=10)
+        assert resp.status_code == 401
+    finally:
+        hook.stop()
+        hook.server.server_close()
+    assert mark(kube) is None
+
+
+def test_malformed_payloads_get_400_naming_the_problem_and_change_nothing(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    writes = md_writes(emu)
+    good_labels = {"alertname": "A", "namespace": "default", "modeldeployment": "scorer"}
+    cases: list[tuple[Any, str]] = [
+        (b"{not json", "body is not JSON"),
+        (b"\xff\xfe", "body is not JSON"),
+        (b"", "body is not JSON"),
+        ([1, 2], "body: expected an object"),
+        ({"status": "firing"}, "alerts: required, a list"),
+        ({"alerts": {"labels": good_labels}}, "alerts: required, a list"),
+        (payload({"status": "firing", "startsAt": STARTS_AT}), "alerts[0].labels: required, an object"),
+        (payload(alert(good_labels), {"status": "firing", "labels": ["a"]}), "alerts[1].labels: required"),
+        (payload(alert(good_labels, status="pending")), "alerts[0].status: 'pending' is not firing or resolved"),
+        (payload({"labels": good_labels}), "alerts[0].status: None is not firing or resolved"),
+    ]
+    for body, message in cases:
+        resp = post(webhook, body)
+        assert resp.status_code == 400, (body, resp.text)
+        assert message in resp.json()["error"], (body, resp.json())
+    assert md_writes(emu) == writes and mark(kube) is None
+
+
+def test_other_paths_are_404_and_healthz_answers(webhook: AlertWebhook) -> None:
+    base = f"http://127.0.0.1:{webhook.port}"
+    assert httpx.get(base + "/healthz", timeout=5).status_code == 200
+    assert httpx.get(base + "/alerts", timeout=5).status_code == 404
+    resp = httpx.post(base + "/other", json=payload(), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    assert resp.status_code == 404 and "/other" in resp.json()["error"]
+
+
+def test_a_firing_alert_naming_namespace_and_modeldeployment_marks_it_once(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    body = payload(alert({"alertname": "MNNCanaryHighErrorRate", "namespace": "default",
+                          "modeldeployment": "scorer", "severity": "critical"}))
+    writes = md_writes(emu)
+    resp = post(webhook, body)
+    assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
+    assert mark(kube) == f"MNNCanaryHighErrorRate@{STARTS_AT}"
+    assert md_writes(emu) == writes + 1
+    # Alertmanager repeats notifications: the same alert again writes nothing
+    for _ in range(3):
+        resp = post(webhook, body)
+        assert resp.status_code == 200 and resp.json() == {"rolledBack": []}
+    assert md_writes(emu) == writes + 1
+    # a new firing of the same alert (another startsAt) is a new mark
+    later = "2025-01-02T04:00:00Z"
+    resp = post(webhook, payload(alert({"alertname": "MNNCanaryHighErrorRate", "namespace": "default",
+                                        "name": "scorer"}, starts_at=later)))
+    assert resp.json() == {"rolledBack": ["default/scorer"]}
+    assert mark(kube) == f"MNNCanaryHighErrorRate@{later}" and md_writes(emu) == writes + 2
+
+
+def test_an_alert_naming_a_modeldeployment_that_does_not_exist_marks_nothing(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    writes = md_writes(emu)
+    for labels in ({"namespace": "default", "modeldeployment": "nope"},
+                   {"namespace": "elsewhere", "modeldeployment": "scorer"},
+                   {"modeldeployment": "scorer"},  # no namespace and no model/version: names nothing
+                   {"alertname": "Unrelated", "severity": "info"}):
+        resp = post(webhook, payload(alert(labels)))
+        assert resp.status_code == 200 and resp.json() == {"rolledBack": []}, labels
+    assert md_writes(emu) == writes and mark(kube) is None
+
+
+def test_a_firing_alert_naming_the_canary_by_model_and_version_marks_only_that_modeldeployment(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    create_md(kube, name="ranker", model="ranker", status=CANARY_STATUS)  # same versions, other model
+    create_md(kube, name="scorer-idle", model="scorer", status={"stableVersion": "v1", "phase": "Ready"})
+    writes = md_writes(emu)
+    # the stable version, an unknown version, another model: nothing to roll back
+    for labels in ({"model": "scorer", "version": "v1"}, {"model": "scorer", "version": "v3"},
+                   {"model": "nope", "version": "v2"}, {"model": "scorer", "version": "v2", "namespace": "other"}):
+        resp = post(webhook, payload(alert({"alertname": "A", **labels})))
+        assert resp.status_code == 200 and resp.json() == {"rolledBack": []}, labels
+    assert md_writes(emu) == writes
+    resp = post(webhook, payload(alert({"alertname": "MNNCanaryHighLatency", "model": "scorer", "version": "v2"})))
+    assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
+    assert mark(kube) == f"MNNCanaryHighLatency@{STARTS_AT}"
+    assert mark(kube, "ranker") is None and mark(kube, "scorer-idle") is None
+    assert md_writes(emu) == writes + 1
+
+
+def test_the_namespaces_option_limits_model_and_version_lookups(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any]) -> None:
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, namespaces=["team-a"])
+    hook.start()
+    try:
+        resp = post(hook, payload(alert({"alertname": "A", "model": "scorer", "version": "v2"})))
+        assert resp.status_code == 200 and resp.json() == {"rolledBack": []}
+    finally:
+        hook.stop()
+        hook.server.server_close()
+    assert mark(kube) is None
+
+
+def test_resolved_alerts_mark_nothing_and_are_logged(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook,
+        caplog: pytest.LogCaptureFixture) -> None:
+    writes = md_writes(emu)
+    with caplog.at_level(logging.INFO, logger="rollout_operator.alerts"):
+        resp = post(webhook, payload(
+            alert({"alertname": "MNNCanaryHighErrorRate", "model": "scorer", "version": "v2"}, status="resolved"),
+            alert({"alertname": "Other", "namespace": "default", "modeldeployment": "scorer"}, status="resolved")))
+    assert resp.status_code == 200 and resp.json() == {"rolledBack": []}
+    assert md_writes(emu) == writes and mark(kube) is None
+    resolved = [r.getMessage() for r in caplog.records if "resolved" in r.getMessage()]
+    assert len(resolved) == 2 and "alert MNNCanaryHighErrorRate resolved" in resolved[0]
+
+
+def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    emu.inject_fault(500, method="PATCH", path="modeldeployments/scorer", times=1)
+    body = payload(alert({"alertname": "A", "namespace": "default", "modeldeployment": "scorer"}))
+    resp = post(webhook, body)
+    assert resp.status_code == 503 and "500" in resp.json()["error"]
+    assert mark(kube) is None
+    assert post(webhook, body).json() == {"rolledBack": ["default/scorer"]}  # the retry succeeds
+
+
+# -- end to end: a real Alertmanager (and Prometheus) in front of the webhook ---------------------
+
+
+def wait_for_mark(kube: KubeClient, deadline_s: float, prefix: str, poll: Callable[[], None] = lambda: None,
+                  ) -> tuple[str, float]:
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        poll()
+        value = mark(kube)
+        if value is not None and value.startswith(prefix):
+            return value, time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"no {prefix!r} mark within {deadline_s} s (mark: {mark(kube)!r})")
+
+
+def test_an_alert_posted_to_alertmanager_reaches_the_webhook_and_marks_the_canary(
+        kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook,
+        alertmanager_factory: Callable[..., Alertmanager]) -> None:  # noqa: F811
+    am = alertmanager_factory(url(webhook), TOKEN)
+    posted = time.monotonic()
+    am.post_alerts([{"labels": {"alertname": "MNNCanaryHighErrorRate", "model": "scorer", "version": "v2",
+                                "severity": "critical"},
+                     "annotations": {"summary": "scorer v2 fails 100% of requests"}}])
+    value, elapsed = wait_for_mark(kube, 30, "MNNCanaryHighErrorRate@")
+    print(f"\nAlertmanager API -> webhook mark: {time.monotonic() - posted:.2f} s")
+    # the alert's own startsAt, as Alertmanager set it (the webhook gets ns, its API shows ms)
+    starts_at = value.split("@", 1)[1]
+    assert starts_at[:23] == am.alerts()[0]["startsAt"][:23]
+
+
+def test_alertmanager_with_the_wrong_token_is_refused_and_marks_nothing(
+        kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook,
+        alertmanager_factory: Callable[..., Alertmanager]) -> None:  # noqa: F811
+    am = alertmanager_factory(url(webhook), "not-the-token")
+    am.post_alerts([{"labels": {"alertname": "A", "model": "scorer", "version": "v2"}}])
+    deadline = time.monotonic() + 15
+    while "401" not in am.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "401" in am.log(), am.log()  # Alertmanager tried, and the webhook said no
+    assert mark(kube) is None
+
+
+FAST_RULES = """
+groups:
+  - name: mnn-rollout-canary-fast
+    rules:
+      - alert: MNNCanaryHighErrorRate
+        expr: |
+          sum by (model, version) (rate(mnn_inference_requests_total{outcome!="success"}[10s]))
+            / sum by (model, version) (rate(mnn_inference_requests_total[10s])) > 0.05
+          and on (model, version) (mnn_version_traffic_weight_ratio > 0 and mnn_version_traffic_weight_ratio < 1)
+        for: 1s
+        labels: {severity: critical}
+"""
+
+
+def test_canary_errors_scraped_by_prometheus_fire_a_rule_that_marks_the_canary(
+        kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook, examples_dir: Path, tmp_path: Path,
+        start_server: Callable[..., RuntimeServer],
+        prometheus_factory: Callable[..., Prometheus],  # noqa: F811
+        alertmanager_factory: Callable[..., Alertmanager]) -> None:  # noqa: F811
+    """The project's rule (examples/prometheus-rules.yaml) with 10 s windows and ``for: 1s``."""
+    config = write_runtime_config(examples_dir, tmp_path / "runtime.yaml", versions=("v1", "v2"),
+                                  weights={"v1": 90, "v2": 10})
+    pod = start_server(config)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(FAST_RULES)
+    am = alertmanager_factory(url(webhook), TOKEN)
+    prom = prometheus_factory([f"127.0.0.1:{pod.port}"], rule_files=[rules], alertmanager_url=am.url)
+    prom.wait_for_up(30)
+    send(pod.url, "v1", good=20)
+    onset = time.monotonic()
+    value, _ = wait_for_mark(kube, 40, "MNNCanaryHighErrorRate@",
+                             poll=lambda: send(pod.url, "v2", good=1, bad=1) and None)
+    print(f"\nerror onset -> webhook mark (1 s scrape/evaluation, for: 1s): {time.monotonic() - onset:.2f} s")
+    assert prom.alerts() and prom.alerts()[0]["labels"]["version"] == "v2"
