@@ -48,7 +48,11 @@ DONE = (Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.FAILED)
 
 
 def _loopback(host: str) -> str:
-    if host == "localhost" or not ipaddress.ip_address(host) in ipaddress.ip_network("127.0.0.0/8"):
+    try:
+        ok = ipaddress.ip_address(host) in ipaddress.ip_network("127.0.0.0/8")
+    except ValueError:
+        ok = False
+    if not ok:
         raise ValueError(f"{host!r}: the local rollout only talks to loopback addresses (127.0.0.0/8)")
     return host
 

@@ -49,7 +49,7 @@ def decide(
     """The next status and the events to emit. Weights and routed versions in the returned status
     are what the children must serve."""
     events: list[Event] = []
-    st = _adopt_stable(spec, status)
+    st = replace(_adopt_stable(spec, status), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
     if canary is None:
         st = _no_canary(spec, st, world, events, now)
@@ -261,7 +261,7 @@ def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: li
 def _readiness(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: float) -> RolloutStatus:
     routed = routed_versions(spec, st)
     unready = [v for v in routed if not world.ready(v)]
-    st = replace(st, ready_text=f"{world.ready_pods}/{world.desired_pods}", total_steps=len(spec.strategy.steps))
+    st = replace(st, ready_text=f"{world.ready_pods}/{world.desired_pods}")
     if unready:
         detail = "; ".join(f"{v}: {world.reasons.get(v, 'not loaded yet')}" for v in unready)
         st = with_condition(st, "VersionsReady", "False", "VersionNotReady", detail, now)

@@ -65,6 +65,12 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_ctl(args: argparse.Namespace) -> int:
+    from rollout_operator.ctl import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mnn-rollout", description="Roll out new versions of MNN models safely."
@@ -117,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="where to build models and write the runtime config "
                                                    "(default: a temp dir)")
     p.set_defaults(func=_cmd_demo)
+    from rollout_operator.ctl import add_commands
+
+    add_commands(sub)
+    for name, p in sub.choices.items():
+        if p.get_default("ctl"):
+            p.set_defaults(func=_cmd_ctl)
     return parser
 
 

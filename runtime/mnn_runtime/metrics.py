@@ -6,6 +6,8 @@ known, so ``rate()`` sees the very first error instead of a series appearing mid
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -73,6 +75,13 @@ class RuntimeMetrics:
         )
         for result in ("applied", "rejected"):
             self.config_reloads.labels(model, result)
+        self.start_time = Gauge(
+            "mnn_runtime_start_time_seconds",
+            "When this runtime process started (Unix time): a change means its counters restarted at 0.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.start_time.labels(model).set(time.time())
         self.touch(UNROUTED)
 
     def touch(self, version: str) -> None:

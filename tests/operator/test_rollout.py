@@ -160,7 +160,7 @@ def test_changing_the_canary_mid_rollout_restarts_cleanly() -> None:
     world = World(versions_ready={"v1": True, "v2": True, "v3": True}, ready_pods=2, desired_pods=2)
     st, events = decide(s3, progressing(step=1, weight=50, failures=1), world, None, T0 + 5)
     assert reasons(events)[0] == "RolloutRestarted"
-    assert st.canary_version == "v3" and st.current_step == 0 and st.failures == 0
+    assert st.canary_version == "v3" and st.current_step == 0 and st.failures == 0 and st.step_text == "1/2"
     assert st.weights == {"v3": 10, "v1": 90}
 
 

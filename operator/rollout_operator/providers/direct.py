@@ -2,7 +2,9 @@
 
 Counters and histogram buckets are summed across pods; the analysis interval's values are the
 deltas since the previous scrape of the same pod (a counter that went down means the pod
-restarted: its current value is the delta). The first scrape of an object only sets the baseline.
+restarted: its current value is the delta). The first scrape of an object only sets the baseline. A pod whose process start time changed
+restarted: its counters began again at 0, so their current values are the interval's. A pod
+missed by one scrape keeps its baseline for the next.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .base import QUANTILES, SampleContext
 
 REQUESTS = "mnn_inference_requests_total"
 BUCKETS = "mnn_inference_duration_seconds_bucket"
+STARTED = "mnn_runtime_start_time_seconds"
 
 # pod url -> series key -> value ; series key = (metric, version, label)
 Snapshot = dict[str, dict[tuple[str, str, str], float]]
@@ -32,7 +35,9 @@ def parse(text: str, model: str) -> dict[tuple[str, str, str], float]:
         for s in family.samples:
             if s.labels.get("model") != model:
                 continue
-            if s.name == REQUESTS:
+            if s.name == STARTED:
+                out[(STARTED, "", "")] = s.value
+            elif s.name == REQUESTS:
                 out[(REQUESTS, s.labels["version"], s.labels["outcome"])] = s.value
             elif s.name == BUCKETS:
                 out[(BUCKETS, s.labels["version"], s.labels["le"])] = s.value
@@ -93,7 +98,10 @@ class DirectProvider:
         current, errors = self._scrape(list(ctx.pod_urls), ctx.model)
         with self._lock:
             previous = self._previous.get(ctx.key)
-            self._previous[ctx.key] = (time.monotonic(), current)
+            # Pods missed by this scrape keep their baseline (dropped once they leave the pod list).
+            kept = {url: series for url, series in (previous[1] if previous else {}).items()
+                    if url in ctx.pod_urls and url not in current}
+            self._previous[ctx.key] = (time.monotonic(), {**kept, **current})
         if previous is None:
             return {v: Sample(error="baseline taken; values from the next interval") for v in ctx.versions}
         if not current:
@@ -101,9 +109,13 @@ class DirectProvider:
         delta: dict[tuple[str, str, str], float] = defaultdict(float)
         for url, series in current.items():
             before = previous[1].get(url, {})
+            if before.get((STARTED, "", "")) != series.get((STARTED, "", "")):
+                before = {}  # a new pod, or a restarted process: everything it counted is new
             for key, value in series.items():
+                if key[0] == STARTED:
+                    continue
                 old = before.get(key, 0.0)
-                delta[key] += value - old if value >= old else value  # a reset: the pod restarted
+                delta[key] += value - old if value >= old else value  # a reset we could not see
         return {v: self._version_sample(v, delta) for v in ctx.versions}
 
     @staticmethod

@@ -1,0 +1,172 @@
+"""Control commands shared by ``mnn-rollout`` and the kubectl plugin: status, promote, abort,
+retry, pause, resume, list. Actions are annotations the operator handles once; pause and resume
+are ``spec.paused``, so ``kubectl`` alone can do the same."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .kube import ApiError, KubeClient
+from .reconcile import ACTION_ANNOTATION
+
+DONE_PHASES = {"Succeeded": 0, "Ready": 0, "RolledBack": 1, "Failed": 1, "InvalidSpec": 1}
+
+
+def _client() -> KubeClient:
+    return KubeClient()
+
+
+def _get(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
+    md = kube.get("ModelDeployment", namespace, name)
+    if md is None:
+        raise SystemExit(f"error: modeldeployment {namespace}/{name} not found")
+    return md
+
+
+def act(kube: KubeClient, namespace: str, name: str, action: str) -> None:
+    _get(kube, namespace, name)
+    kube.patch("ModelDeployment", namespace, name,
+               {"metadata": {"annotations": {ACTION_ANNOTATION: f"{action}:{time.time():.3f}"}}})
+
+
+def set_paused(kube: KubeClient, namespace: str, name: str, paused: bool) -> None:
+    _get(kube, namespace, name)
+    kube.patch("ModelDeployment", namespace, name, {"spec": {"paused": paused}})
+
+
+def render(md: dict[str, Any]) -> str:
+    """A tree of the rollout: versions and weights, step, each analysis metric, conditions."""
+    meta, spec, st = md["metadata"], md.get("spec") or {}, md.get("status") or {}
+    lines = [f"{meta['namespace']}/{meta['name']}  phase {st.get('phase', '?')}  ready {st.get('readyText', '?')}"]
+    lines.append(f"├─ stable  {st.get('stableVersion', '?')}")
+    if st.get("canaryVersion"):
+        lines.append(f"├─ canary  {st['canaryVersion']}  weight {st.get('canaryWeight', 0)}%  "
+                     f"step {st.get('stepText') or '-'}")
+    weights = st.get("weights") or {}
+    lines.append("├─ weights " + ", ".join(f"{k}:{v}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1])))
+    for v in st.get("versions") or []:
+        mark = "✔" if v.get("ready") else "✘"
+        reason = f"  {v['reason']}" if v.get("reason") and not v.get("ready") else ""
+        lines.append(f"│  {mark} {v['name']:<14} loaded on {v.get('readyPods', 0)}/{v.get('pods', 0)} pods{reason}")
+    analysis = st.get("analysis") or {}
+    if analysis:
+        limit = ((spec.get("strategy") or {}).get("analysis") or {}).get("failureLimit", "?")
+        lines.append(f"├─ analysis {analysis.get('verdict', '?')} at {analysis.get('checkedAt', '?')}  "
+                     f"failures {analysis.get('failures', 0)}/{limit}"
+                     + (f"  ({analysis['message']})" if analysis.get("message") else ""))
+        for m in analysis.get("metrics") or []:
+            value = "n/a" if m.get("value") is None else f"{m['value']:.4g}"
+            lines.append(f"│  {m['verdict']:<12} {m['name']:<24} {value:>10}   {m.get('threshold', '')}")
+    for c in st.get("conditions") or []:
+        lines.append(f"├─ {c['type']:<13} {c['status']:<6} {c.get('reason', '')}: {c.get('message', '')}")
+    lines.append(f"└─ {st.get('message', '')}")
+    return "\n".join(lines)
+
+
+def status(kube: KubeClient, namespace: str, name: str, watch: bool, timeout: float | None,
+           as_json: bool = False) -> int:
+    """Print the rollout; with --watch redraw until it ends. Exit 1 if it ended RolledBack/Failed,
+    2 on --timeout (like ``kubectl argo rollouts status``)."""
+    deadline = time.monotonic() + timeout if timeout else None
+    tty = sys.stdout.isatty()
+    while True:
+        md = _get(kube, namespace, name)
+        text = json.dumps(md.get("status") or {}, indent=2) if as_json else render(md)
+        if watch and tty:
+            sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+        else:
+            print(text, flush=True)
+        phase = (md.get("status") or {}).get("phase", "")
+        rolling = bool((md.get("spec") or {}).get("canary")) and phase in ("Progressing", "Paused", "Promoting",
+                                                                          "Initializing")
+        if not watch and not timeout:
+            return DONE_PHASES.get(phase, 0)
+        if not rolling and phase in DONE_PHASES:
+            return DONE_PHASES[phase]
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"timed out waiting for {namespace}/{name} (phase {phase})", file=sys.stderr)
+            return 2
+        time.sleep(1)
+
+
+def list_all(kube: KubeClient, namespace: str | None) -> int:
+    path = "/apis/mnnrollout.io/v1alpha1/" + (f"namespaces/{namespace}/" if namespace else "") + "modeldeployments"
+    items = kube.request("GET", path).get("items", [])
+    print(f"{'NAMESPACE':<14} {'NAME':<20} {'PHASE':<12} {'STABLE':<12} {'CANARY':<14} {'WEIGHT':>6} {'STEP':>5}")
+    for md in items:
+        st = md.get("status") or {}
+        print(f"{md['metadata']['namespace']:<14} {md['metadata']['name']:<20} {st.get('phase', ''):<12} "
+              f"{st.get('stableVersion', ''):<12} {st.get('canaryVersion', '') or '-':<14} "
+              f"{st.get('canaryWeight', 0):>6} {st.get('stepText', '') or '-':>5}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register status/promote/abort/retry/pause/resume/list on an argparse subparsers object."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("name", help="the ModelDeployment")
+        p.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, else default)")
+
+    p = sub.add_parser("status", help="show a rollout as a tree; --watch follows it")
+    common(p)
+    p.add_argument("-w", "--watch", action="store_true", help="refresh until the rollout ends")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait; exit 2 when it passes")
+    p.add_argument("-o", "--output", choices=["tree", "json"], default="tree")
+    p.set_defaults(ctl="status")
+    p = sub.add_parser("promote", help="move the canary to its next step (--full: straight to 100%%)")
+    common(p)
+    p.add_argument("--full", action="store_true", help="promote to 100%% now, skipping the remaining steps")
+    p.set_defaults(ctl="promote")
+    for name, text in (("abort", "roll the canary back to stable now"),
+                       ("retry", "restart a rolled-back canary from its first step"),
+                       ("pause", "freeze the rollout at its current weights (spec.paused)"),
+                       ("resume", "continue a paused rollout")):
+        p = sub.add_parser(name, help=text)
+        common(p)
+        p.set_defaults(ctl=name)
+    p = sub.add_parser("list", help="list ModelDeployments and their rollout state")
+    p.add_argument("-n", "--namespace", default=None)
+    p.add_argument("-A", "--all-namespaces", action="store_true")
+    p.set_defaults(ctl="list")
+
+
+def current_namespace() -> str:
+    try:
+        from kubernetes import config
+
+        _, context = config.list_kube_config_contexts()
+        return str(context.get("context", {}).get("namespace") or "default")
+    except Exception:
+        return "default"
+
+
+def run(args: argparse.Namespace) -> int:
+    kube = _client()
+    namespace = getattr(args, "namespace", None) or current_namespace()
+    try:
+        if args.ctl == "list":
+            return list_all(kube, None if args.all_namespaces else namespace)
+        if args.ctl == "status":
+            return status(kube, namespace, args.name, args.watch, args.timeout, args.output == "json")
+        if args.ctl in ("pause", "resume"):
+            set_paused(kube, namespace, args.name, args.ctl == "pause")
+        else:
+            act(kube, namespace, args.name, "promote-full" if args.ctl == "promote" and args.full else args.ctl)
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"modeldeployment.mnnrollout.io/{args.name} {args.ctl}{' --full' if getattr(args, 'full', False) else ''} "
+          "requested")
+    return 0
+
+
+def plugin_main(argv: list[str] | None = None) -> int:
+    """``kubectl mnn-rollout ...`` (the console script kubectl-mnn_rollout)."""
+    parser = argparse.ArgumentParser(prog="kubectl mnn-rollout", description="Steer MNN model rollouts.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_commands(sub)
+    return run(parser.parse_args(argv))
