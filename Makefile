@@ -5,9 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench lint clean
+.PHONY: install system-deps demo test bench lint clean
 
 install: $(STAMP)
+
+# Real Prometheus and Alertmanager for the tests (Debian packages; no service is started).
+system-deps:
+	@command -v prometheus >/dev/null && command -v prometheus-alertmanager >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager; }
+	@command -v kubectl >/dev/null || { echo "kubectl is required for the tests (install kubectl 1.28+)"; exit 1; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,11 +24,13 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/mnn-rollout demo
 
-test: install
+test: install system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: install
+bench: install system-deps
 	$(BIN)/python bench/runtime_overhead.py
+	$(BIN)/python bench/weight_propagation.py
+	$(BIN)/python bench/rollback_latency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

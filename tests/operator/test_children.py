@@ -1,0 +1,67 @@
+"""Rendered children: names, owners, security, probes, and what changes when."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_operator import children
+from rollout_operator.spec import parse_spec
+
+BODY = {"apiVersion": "mnnrollout.io/v1alpha1", "metadata": {"name": "scorer", "uid": "u-1"}}
+SPEC = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}, {"name": "v2", "uri": "/m/v2.mnn"}],
+                   "runtime": {"replicas": 3, "port": 9000, "nodeSelector": {"pool": "cpu"},
+                               "tolerations": [{"key": "k", "operator": "Exists"}]}})
+TARGET = children.Target("scorer", "ml", children.owner_reference(BODY))
+
+
+def render(weights: dict[str, int], versions: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    config = children.runtime_config(SPEC, "scorer", weights, "v1", versions or ["v1", "v2"])
+    return {o["kind"]: o for o in children.render_all(TARGET, SPEC, config)}
+
+
+def test_every_child_is_named_labelled_and_owned() -> None:
+    objs = render({"v1": 100})
+    names = {k: o["metadata"]["name"] for k, o in objs.items()}
+    assert names == {"ServiceAccount": "scorer-runtime", "Role": "scorer-runtime", "RoleBinding": "scorer-runtime",
+                     "ConfigMap": "scorer-routing", "Deployment": "scorer-runtime", "Service": "scorer"}
+    for obj in objs.values():
+        assert obj["metadata"]["namespace"] == "ml"
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "mnn-rollout"
+        assert children.HASH_ANNOTATION in obj["metadata"]["annotations"]
+
+
+def test_the_runtime_pods_are_locked_down_and_probed() -> None:
+    dep = render({"v1": 100})["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 65532
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert container["args"][:3] == ["serve", "--configmap", "$(POD_NAMESPACE)/scorer-routing"]
+    assert dep["spec"]["replicas"] == 3 and pod["nodeSelector"] == {"pool": "cpu"} and pod["tolerations"]
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9000"
+
+
+def test_a_weight_change_rewrites_the_configmap_but_does_not_roll_the_pods() -> None:
+    a, b = render({"v1": 100}), render({"v1": 70, "v2": 30})
+    assert a["ConfigMap"]["data"] != b["ConfigMap"]["data"]
+    assert a["Deployment"] == b["Deployment"]
+
+
+def test_a_version_change_rolls_the_pods() -> None:
+    a, b = render({"v1": 100}), render({"v1": 100}, ["v1"])
+    key = children.VERSIONS_ANNOTATION
+    assert a["Deployment"]["spec"]["template"]["metadata"]["annotations"][key] != \
+        b["Deployment"]["spec"]["template"]["metadata"]["annotations"][key]
+
+
+def test_the_runtime_may_read_only_its_own_configmap() -> None:
+    role = render({"v1": 100})["Role"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["scorer-routing"],
+                              "verbs": ["get", "list", "watch"]}]

@@ -1,0 +1,110 @@
+"""The CRD and the operator's own spec validation agree, and the examples are valid for both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rollout_operator.spec import SpecError, parse_duration, parse_spec
+from tests.k8s.schema import prune_and_default, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = yaml.safe_load((ROOT / "crds" / "modeldeployment.yaml").read_text())
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if "kind: ModelDeployment" in p.read_text())
+
+
+def test_the_crd_names_scope_and_subresources() -> None:
+    names = CRD["spec"]["names"]
+    assert (CRD["spec"]["group"], VERSION["name"], names["kind"], names["plural"]) == (
+        "mnnrollout.io", "v1alpha1", "ModelDeployment", "modeldeployments")
+    assert names["shortNames"] == ["md"] and CRD["spec"]["scope"] == "Namespaced"
+    assert VERSION["subresources"] == {"status": {}}
+    columns = [c["name"] for c in VERSION["additionalPrinterColumns"]]
+    assert columns == ["Phase", "Stable", "Canary", "Weight", "Step", "Ready", "Age"]
+
+
+def test_the_crd_carries_the_cross_field_rules_as_cel() -> None:
+    rules = " ".join(r["rule"] for r in SCHEMA["properties"]["spec"]["x-kubernetes-validations"])
+    assert "sum() == 100" in rules and "self.versions.exists(v, v.name == k)" in rules
+    assert "self.versions.exists(v, v.name == self.canary)" in rules
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_is_valid_for_the_crd_schema_and_the_operator(path: Path) -> None:
+    obj = yaml.safe_load(path.read_text())
+    assert validate(obj, SCHEMA) == []
+    parse_spec(prune_and_default(obj, SCHEMA)["spec"])
+
+
+def _crd_default(path: list[str]) -> Any:
+    node = SCHEMA["properties"]["spec"]
+    for part in path:
+        node = node["properties"][part]
+    return node["default"]
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (["progressDeadlineSeconds"], lambda s: s.progress_deadline_seconds),
+        (["paused"], lambda s: s.paused),
+        (["runtime", "replicas"], lambda s: s.runtime.replicas),
+        (["runtime", "workers"], lambda s: s.runtime.workers),
+        (["runtime", "threads"], lambda s: s.runtime.threads),
+        (["runtime", "port"], lambda s: s.runtime.port),
+        (["runtime", "maxBodyBytes"], lambda s: s.runtime.max_body_bytes),
+        (["routing", "header"], lambda s: s.routing.header),
+        (["routing", "parameter"], lambda s: s.routing.parameter),
+        (["strategy", "scaleDownDelaySeconds"], lambda s: s.strategy.scale_down_delay_seconds),
+        (["strategy", "analysis", "interval"], lambda s: s.strategy.analysis.interval),
+        (["strategy", "analysis", "minRequests"], lambda s: s.strategy.analysis.min_requests),
+        (["strategy", "analysis", "failureLimit"], lambda s: s.strategy.analysis.failure_limit),
+    ],
+)
+def test_crd_defaults_match_the_operators_defaults(path: list[str], value: Any) -> None:
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "v1.mnn"}]})
+    assert _crd_default(path) == value(spec)
+
+
+BASE: dict[str, Any] = {"versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}]}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"weights": {"v1": 120, "v2": -20}}, "spec.weights.v1: 120 is outside 0-100"),
+        ({"weights": {"v1": 50, "v2": 40}}, "spec.weights: {'v1': 50, 'v2': 40} sum to 90; must sum to 100"),
+        ({"weights": {"v1": 50, "v9": 50}}, "spec.weights.v9: 'v9' is not a listed version; valid: ['v1', 'v2']"),
+        ({"versions": [{"name": "v1", "uri": "a"}, {"name": "v1", "uri": "b"}]},
+         "spec.versions: duplicate version names ['v1']"),
+        ({"canary": "v9"}, "spec.canary: 'v9' is not a listed version"),
+        ({"canary": "v2", "weights": {"v1": 100}}, "set either weights (a static split) or canary, not both"),
+        ({"canary": "v2", "stable": "v2"}, "spec.canary: 'v2' is also the stable version"),
+        ({"versions": [{"name": "V2", "uri": "a"}]}, "spec.versions.0.name: version name 'V2' is not a DNS-1123"),
+        ({"versions": [{"name": "v1", "uri": "s3://b/v1.mnn"}]}, "unsupported scheme 's3'"),
+        ({"strategy": {"steps": [{"weight": 10, "pause": "soon"}]}}, "'soon' is not a duration"),
+        ({"strategy": {"analysis": {"interval": "500ms"}}}, "interval '500ms' is below the minimum of 1s"),
+        ({"strategy": {"analysis": {"metrics": [{"name": "error-rate"}]}}}, "metric 'error-rate' needs a threshold"),
+        ({"strategy": {"analysis": {"metrics": [{"name": "gpu-temp", "max": 1}]}}},
+         "metric 'gpu-temp' is not built in"),
+        ({"strategy": {"analysis": {"provider": {"type": "prometheus"}}}}, "address: required when provider type"),
+        ({"strategy": {"analysis": {"provider": {"type": "datadog"}}}}, "spec.strategy.analysis.provider.type"),
+        ({"runtime": {"replicas": -1}}, "spec.runtime.replicas"),
+        ({"surprise": 1}, "spec.surprise: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_specs_are_refused_naming_field_and_value(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**BASE, **change})
+    assert message in str(info.value), str(info.value)
+
+
+def test_durations_parse_like_kubernetes_durations() -> None:
+    assert parse_duration("1h30m") == 5400 and parse_duration("500ms") == 0.5 and parse_duration("2.5s") == 2.5
+    with pytest.raises(ValueError, match="'5 minutes' is not a duration"):
+        parse_duration("5 minutes")
