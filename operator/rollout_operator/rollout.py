@@ -12,7 +12,7 @@ from typing import Any
 
 from .analysis import Analysis
 from .spec import ModelDeploymentSpec
-from .status import Phase, RolloutStatus, with_condition
+from .status import Phase, RolloutStatus, epoch, with_condition
 
 ACTIONS = ("promote", "promote-full", "abort", "retry")
 
@@ -182,7 +182,9 @@ def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | 
              now: float, events: list[Event]) -> RolloutStatus:
     step = _step(spec, st)
     waited = now - (st.step_started_at or now)
-    last_pass = st.analysis.get("verdict") == "pass"
+    checked_at = epoch(st.analysis.get("checkedAt")) or 0.0
+    # Only a pass measured at this step's weight counts: never advance on the previous step's.
+    last_pass = st.analysis.get("verdict") == "pass" and checked_at > (st.step_started_at or 0.0)
     manual = step.pause_seconds is None
     if world.action == "promote" or (not manual and waited >= (step.pause_seconds or 0) and last_pass):
         return _next_step(spec, st, now, events)

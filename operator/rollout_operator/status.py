@@ -23,7 +23,8 @@ class Phase(str, Enum):
 def iso(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    # Milliseconds: analysis scheduling and "checked during this step" compare these times.
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def epoch(text: Any) -> float | None:

@@ -10,7 +10,7 @@ import pytest
 from rollout_operator.analysis import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult
 from rollout_operator.rollout import World, decide, hold_unready, mark_invalid, routed_versions
 from rollout_operator.spec import parse_spec
-from rollout_operator.status import Phase, RolloutStatus, condition
+from rollout_operator.status import Phase, RolloutStatus, condition, iso
 
 T0 = 1_800_000_000.0
 
@@ -34,7 +34,7 @@ V2_LOADING = World(versions_ready={"v1": True, "v2": False}, reasons={"v2": "pod
                    desired_pods=2)
 
 
-def verdict(v: str, value: float = 0.0, at: float = T0) -> Analysis:
+def verdict(v: str, value: float = 0.0, at: float = T0 + 1) -> Analysis:
     return Analysis(at, v, (MetricResult("error-rate", value, "error rate <= 0.05", v),), 100)
 
 
@@ -91,6 +91,27 @@ def test_steps_advance_hold_or_roll_back(status: RolloutStatus, analysis: Analys
     assert reasons(evs) == events
 
 
+def test_a_pass_from_the_previous_step_never_advances_the_next_one() -> None:
+    s = spec(strategy={"steps": [{"weight": 10, "pause": "1s"}, {"weight": 30, "pause": "1s"},
+                                 {"weight": 60, "pause": "1s"}],
+                       "analysis": {"interval": "10s", "metrics": [{"name": "error-rate", "max": 0.05}]}})
+    st = progressing(step=0, weight=10, total_steps=3)
+    st, _ = decide(s, st, READY, verdict(PASS, at=T0 + 2), T0 + 2)
+    assert st.canary_weight == 30
+    for t in (3.5, 5, 9):  # no new check yet: the pass at 10% does not carry over
+        st, _ = decide(s, st, READY, None, T0 + t)
+        assert st.canary_weight == 30 and st.phase == Phase.PROGRESSING
+    st, _ = decide(s, st, READY, verdict(PASS, at=T0 + 12), T0 + 12)
+    assert st.canary_weight == 60
+
+
+def test_analysis_times_keep_sub_second_precision() -> None:
+    from rollout_operator.analyzer import next_due
+
+    st, _ = decide(spec(), progressing(), READY, verdict(PASS, at=T0 + 0.97), T0 + 0.97)
+    assert next_due(spec(), st) == pytest.approx(T0 + 1.97, abs=0.002)
+
+
 def test_inconclusive_checks_never_count_as_failures() -> None:
     st = progressing(failures=1)
     for i in range(20):
@@ -143,7 +164,7 @@ def test_a_promotion_is_not_undone_by_the_stable_named_in_the_spec() -> None:
     s = spec(stable="v1")
     st, _ = decide(s, RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}), READY, None, T0)
     st = replace(st, current_step=1, canary_weight=50, weights={"v2": 50, "v1": 50},
-                 analysis={"verdict": "pass"}, step_started_at=T0)
+                 analysis={"verdict": "pass", "checkedAt": iso(T0 + 10)}, step_started_at=T0)
     st, _ = decide(s, st, READY, None, T0 + 11)
     assert st.phase == Phase.PROMOTING and st.stable_version == "v2"
     for t in (12, 20, 50):

@@ -1,0 +1,119 @@
+"""``mnn-rollout demo``: the operator's state machine drives a real local runtime through a canary
+rollout while many users send traffic. Each scenario runs end to end with 1 s steps."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mnn_runtime.config import load_config_file
+from rollout_operator.local import LocalRollout, LocalRuntime, Traffic
+from rollout_operator.status import Phase
+
+CLI = [sys.executable, "-m", "mnn_runtime.cli", "demo"]
+
+
+def demo(tmp_path: Path, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "--step-seconds", "1", "--workdir", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def field(out: str, name: str) -> str:
+    found = re.search(rf"^{re.escape(name)}: (.*)$", out, re.MULTILINE)
+    assert found, f"no {name!r} line in:\n{out}"
+    return found.group(1)
+
+
+def test_promote_is_the_default_and_ends_with_v2_serving_everyone(tmp_path: Path) -> None:
+    r = demo(tmp_path)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert field(out, "outcome") == "promoted"
+    assert field(out, "expected") == "promoted (ok)"
+    assert field(out, "steps passed") == "3/3"
+    assert field(out, "final weights") == "v2:100 (served by the runtime)"
+    assert field(out, "served after the end") == "v2 100%"
+    # the plain (non-TTY) view: events, per-step weights and verdicts as they happen
+    for needed in ("RolloutStarted", "StepStarted: canary v2 ready: step 1/3 at 10%", "step 2/3: 30%",
+                   "step 3/3: 60%", "RolloutPromoted", "RolloutSucceeded", "analysis #2 pass"):
+        assert needed in out, needed
+    assert "rollback reason" not in out
+    # both versions took traffic from the 2,000 users, and none of it failed
+    versions = dict(re.findall(r"^  (v1|v2) +(\d+) requests +0 errors", out, re.MULTILINE))
+    assert set(versions) == {"v1", "v2"} and all(int(n) > 50 for n in versions.values()), out
+    # raising the canary's weight only ever moves users from stable to the canary
+    assert re.fullmatch(r"v1->v2 \d+", field(out, "users moved")), out
+    assert (tmp_path / "runtime.log").exists() and (tmp_path / "v2.mnn").exists()
+
+
+def test_breaking_is_rolled_back_on_the_error_rate(tmp_path: Path) -> None:
+    r = demo(tmp_path, "--scenario", "breaking")
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert field(out, "outcome") == "rolled back"
+    assert field(out, "expected") == "rolled back (ok)"
+    assert "error-rate = 1 breached error rate <= 0.05" in field(out, "rollback reason")
+    assert field(out, "final weights") == "v1:100 v2-breaking:0 (served by the runtime)"
+    assert field(out, "served after the end") == "v1 100%"
+    assert re.search(r"^  v2-breaking +(\d+) requests +\1 errors \(100\.00%\)", out, re.MULTILINE), out
+    assert "RolloutPromoted" not in out
+
+
+def test_slow_is_rolled_back_on_latency(tmp_path: Path) -> None:
+    r = demo(tmp_path, "--scenario", "slow")
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert field(out, "outcome") == "rolled back"
+    reason = field(out, "rollback reason")
+    assert reason.startswith("canary v2-slow rolled back: latency-"), reason
+    assert "error-rate" not in reason
+    assert field(out, "served after the end") == "v1 100%"
+    assert re.search(r"^  v2-slow +\d+ requests +0 errors", out, re.MULTILINE), out
+
+
+def test_an_unknown_scenario_is_refused() -> None:
+    r = subprocess.run([*CLI, "--scenario", "sideways"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice: 'sideways'" in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "x"])
+def test_step_seconds_must_be_positive(bad: str) -> None:
+    r = subprocess.run([*CLI, "--step-seconds", bad], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--step-seconds" in r.stderr
+
+
+def test_local_rollout_drives_decide_and_the_config_file_in_process(model_dir: Path) -> None:
+    spec = {
+        "model": "scorer", "stable": "v1", "canary": "v2",
+        "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}],
+        "strategy": {"steps": [{"weight": 50, "pause": "1s"}], "scaleDownDelaySeconds": 1,
+                     "analysis": {"interval": "1s", "minRequests": 10,
+                                  "metrics": [{"name": "error-rate", "max": 0.05}]}},
+    }
+    config = model_dir / "local.yaml"
+    rollout = LocalRollout(spec, config, name="scorer", time_limit=40)
+    rollout.prepare()
+    assert load_config_file(config).effective_weights() == {"v1": 100, "v2": 0}
+    runtime = LocalRuntime(config, model_dir / "runtime.log")
+    runtime.start()
+    traffic = Traffic(runtime.url, "scorer", users=500, rate=150, connections=2, max_seconds=60).start()
+    try:
+        final = rollout.run(runtime.url)
+        assert rollout.wait_applied()
+    finally:
+        traffic.stop()
+        assert runtime.stop() == 0
+    assert final.phase == Phase.SUCCEEDED and not rollout.timed_out
+    assert [e.reason for _, e in rollout.events] == ["RolloutStarted", "StepStarted", "RolloutPromoted",
+                                                     "RolloutSucceeded"]
+    phases = [st.phase for _, st in rollout.history]
+    assert phases.index(Phase.PROGRESSING) < phases.index(Phase.PROMOTING) < phases.index(Phase.SUCCEEDED)
+    assert [st.weights for _, st in rollout.history if st.phase == Phase.PROGRESSING][-1] == {"v1": 50, "v2": 50}
+    assert any(a.verdict == "pass" for a in rollout.analyses)
+    served = load_config_file(config)  # the old stable is retired from the runtime config
+    assert [v.name for v in served.versions] == ["v2"] and served.effective_weights() == {"v2": 100}
+    assert set(traffic.moves) <= {("v1", "v2")} and traffic.totals["v2"][1] == 0
