@@ -53,14 +53,15 @@ def _field(obj: Mapping[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
-def decode_tensor(obj: Any, where: str) -> tuple[str, str, tuple[int, ...], Any]:
-    """Structural checks of one request tensor: (name, datatype, shape, data)."""
+def decode_tensor(obj: Any, where: str, binary: bool = False) -> tuple[str, str, tuple[int, ...], Any]:
+    """Structural checks of one request tensor: (name, datatype, shape, data); ``binary``
+    tensors carry their data after the JSON instead of in ``data``."""
     if not isinstance(obj, dict):
         raise BadRequest(f"{where}: expected an object with name, datatype, shape and data")
     name = _field(obj, "name", where)
     datatype = _field(obj, "datatype", where)
     shape = _field(obj, "shape", where)
-    data = _field(obj, "data", where)
+    data = None if binary else _field(obj, "data", where)
     if not isinstance(name, str):
         raise BadRequest(f"{where}.name: expected a string, got {name!r}")
     if datatype not in OIP_DTYPES:

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 
 from . import __version__
+from . import binary as binary_ext
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
 from .errors import BadRequest, InferenceError, ModelNotFound
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
@@ -34,6 +35,7 @@ class InferResult:
     status: int
     body: bytes
     version: str | None
+    json_length: int | None = None  # set when the body carries binary outputs after its JSON
 
 
 class DataPlane:
@@ -116,7 +118,8 @@ class DataPlane:
         status = 500
         try:
             snap = self._snapshot_for(model)
-            request, parse_error = _parse(body)
+            json_part, binary = binary_ext.split_body(body, headers.get(binary_ext.HEADER))
+            request, parse_error = _parse(json_part)
             version = self._choose(snap, url_version, headers, request)
             if version is not None:
                 label = version
@@ -125,13 +128,13 @@ class DataPlane:
                 raise parse_error
             assert version is not None and request is not None
             state = snap.version(version)
-            arrays, wanted = self._inputs(state, request, snap.config.server.max_batch)
+            arrays, wanted = self._inputs(state, request, snap.config.server.max_batch, binary)
             assert state.model is not None
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self.executor, state.model.infer, arrays)
-            payload = _response(model, version, request.get("id"), state, outputs, wanted)
+            payload, json_length = _response(model, version, request, state, outputs, wanted)
             status = 200
-            return InferResult(200, payload, version)
+            return InferResult(200, payload, version, json_length)
         except InferenceError as exc:
             status = exc.status_code
             return InferResult(status, _error_body(exc.message), None if label == UNROUTED else label)
@@ -169,25 +172,32 @@ class DataPlane:
 
     @staticmethod
     def _inputs(
-        state: VersionState, request: dict[str, Any], max_batch: int
+        state: VersionState, request: dict[str, Any], max_batch: int, binary: bytes = b""
     ) -> tuple[list[np.ndarray], list[str] | None]:
         model = state.model
         assert model is not None
         raw = request.get("inputs")
         if not isinstance(raw, list) or not raw:
             raise BadRequest("inputs: required, a non-empty list of tensors")
+        sizes = binary_ext.binary_sizes(raw, binary)
+        offset = 0
         given: dict[str, np.ndarray] = {}
         specs = {s.name: s for s in model.inputs}
         for i, obj in enumerate(raw):
             where = f"inputs[{i}]"
-            name, datatype, shape, data = decode_tensor(obj, where)
+            size = sizes[i]
+            name, datatype, shape, data = decode_tensor(obj, where, binary=size is not None)
             spec = specs.get(name)
             if spec is None:
                 raise BadRequest(f"{where}.name: {name!r} is not an input of version {state.spec.name!r}; "
                                  f"valid: {sorted(specs)}")
             if name in given:
                 raise BadRequest(f"{where}.name: input {name!r} is given twice")
-            arr = to_array(data, datatype, shape, where)
+            if size is not None:
+                arr = binary_ext.binary_array(binary[offset:offset + size], datatype, shape, where)
+                offset += size
+            else:
+                arr = to_array(data, datatype, shape, where)
             given[name] = check_against_spec(arr, datatype, spec, max_batch, where)
         missing = [n for n in specs if n not in given]
         if missing:
@@ -228,21 +238,31 @@ def _wanted_outputs(request: dict[str, Any], state: VersionState) -> list[str] |
 def _response(
     model: str,
     version: str,
-    request_id: Any,
+    request: dict[str, Any],
     state: VersionState,
     outputs: list[np.ndarray],
     wanted: list[str] | None,
-) -> bytes:
+) -> tuple[bytes, int | None]:
+    """The response body, and the JSON part's length when binary outputs follow it."""
     assert state.model is not None
-    tensors = [
-        encode_output(spec.name, arr)
-        for spec, arr in zip(state.model.outputs, outputs)
-        if wanted is None or spec.name in wanted
-    ]
+    every, named = binary_ext.wants_binary(request)
+    tensors, raw = [], []
+    for spec, arr in zip(state.model.outputs, outputs):
+        if wanted is not None and spec.name not in wanted:
+            continue
+        tensor = encode_output(spec.name, arr)
+        if every or spec.name in named:
+            data = np.ascontiguousarray(tensor.pop("data")).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(data)}
+            raw.append(data)
+        tensors.append(tensor)
     body: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": tensors}
-    if isinstance(request_id, str):
-        body["id"] = request_id
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    if isinstance(request.get("id"), str):
+        body["id"] = request["id"]
+    head = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not raw:
+        return head, None
+    return head + b"".join(raw), len(head)
 
 
 def _error_body(message: str) -> bytes:

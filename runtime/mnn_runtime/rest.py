@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
+from .binary import RESPONSE_HEADER
 from .dataplane import VERSION_HEADER, DataPlane
 from .errors import InferenceError, PayloadTooLarge
 from .metrics import CONTENT_TYPE, RuntimeMetrics
@@ -126,8 +127,12 @@ class V2Endpoints:
         except InferenceError as exc:
             return _error(exc)
         result = await self.dataplane.infer(model_name, version, body, request.headers)
-        headers = {VERSION_HEADER: result.version} if result.version else None
-        return _json(result.status, result.body, headers)
+        headers = {VERSION_HEADER: result.version} if result.version else {}
+        if result.json_length is not None:
+            headers[RESPONSE_HEADER] = str(result.json_length)
+            return Response(content=result.body, status_code=result.status, headers=headers,
+                            media_type="application/octet-stream")
+        return _json(result.status, result.body, headers or None)
 
     async def metrics_endpoint(self) -> Response:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)

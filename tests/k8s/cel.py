@@ -6,20 +6,17 @@ Transition rules (those using ``oldSelf``) run on updates only, like a real serv
 rules are skipped (``GET /_emulator/healthz`` reports ``celValidation: false``).
 """
 import functools
+import importlib.util
 import sys
 from typing import Any
 
-try:
-    import celpy
-    from celpy import celtypes
-except ImportError:  # pragma: no cover - depends on the environment
-    celpy = None
-
-AVAILABLE = celpy is not None
+AVAILABLE = importlib.util.find_spec('celpy') is not None  # imported lazily: it costs ~0.1 s
 _warned = False
 
 
 def _functions() -> dict[str, Any]:
+    import celpy
+    from celpy import celtypes
     wrap = celpy.json_to_cel
     return {
         'sum': lambda items: wrap(sum(items)) if items else celtypes.IntType(0),
@@ -35,6 +32,7 @@ def _functions() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=512)
 def _program(rule: str) -> Any:
+    import celpy
     env = celpy.Environment()
     return env.program(env.compile(rule), functions=_functions())
 
@@ -50,6 +48,7 @@ def check(rules: list[dict[str, Any]], value: Any, path: str, old: Any, has_old:
                   file=sys.stderr)
             _warned = True
         return
+    import celpy
     for rule in rules:
         expr = rule.get('rule', '')
         if 'oldSelf' in expr and not has_old:

@@ -28,6 +28,9 @@ def widget_operator(url: str, tag: str, calls: list[tuple[str, str]]) -> kopf.Op
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 30
+        # A timer caught mid-patch by a deletion is re-checked after this many seconds (default 60,
+        # also on a real cluster): keep it short, or deleting an object can stall for a minute.
+        settings.background.cancellation_polling = 0.3
 
     @kopf.on.create('example.io', 'v1', 'widgets', registry=registry)
     def created(name: str, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:

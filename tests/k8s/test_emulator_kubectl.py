@@ -114,9 +114,12 @@ def test_kubectl_get_configmap_as_yaml_and_json(api, ns):
 def test_kubectl_get_watch_prints_changes_until_the_request_timeout(api, ns):
     api.kubectl('-n', ns, 'apply', '--validate=false', '-f', '-', input=WIDGET.format(name='w4', size=1))
     proc = subprocess.Popen(['kubectl', f'--cache-dir={api.cache_dir}', '-n', ns, 'get', 'wd', '-w',
-                             '--request-timeout=3s'], env=api.env(), stdout=subprocess.PIPE,
+                             '--request-timeout=4s'], env=api.env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 10
+    while not any(r['query'].get('watch') == 'true' and r['namespace'] == ns for r in api.requests()):
+        assert time.monotonic() < deadline, 'kubectl never started watching'
+        time.sleep(0.05)
     api.kubectl('-n', ns, 'patch', 'wd', 'w4', '--type=merge', '-p', '{"spec":{"size":8}}')
     out, err = proc.communicate(timeout=15)
     rows = [line.split() for line in out.splitlines()]

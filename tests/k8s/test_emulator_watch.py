@@ -30,7 +30,7 @@ def test_watch_from_a_list_resource_version_loses_no_events(api, ns):
         time.sleep(0.3)
         api.request('POST', CONFIGMAPS.format(ns=ns), configmap('during'))
     threading.Thread(target=later).start()
-    _, events = watch(api, CONFIGMAPS.format(ns=ns), {'resourceVersion': rv, 'timeoutSeconds': '1'})
+    _, events = watch(api, CONFIGMAPS.format(ns=ns), {'resourceVersion': rv, 'timeoutSeconds': '10'}, max_events=4)
     assert [(e['type'], e['object']['metadata']['name']) for e in events] == [
         ('ADDED', 'between'), ('MODIFIED', 'before'), ('DELETED', 'before'), ('ADDED', 'during')]
     rvs = [int(e['object']['metadata']['resourceVersion']) for e in events]

@@ -1,0 +1,79 @@
+"""Triton's binary tensor extension: tritonclient with binary_data=True, and lying lengths."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from mnn_runtime.model import LoadedModel
+from tests.runtime_server import RuntimeServer
+
+INFER = "/v2/models/scorer/versions/v1/infer"
+
+
+@pytest.fixture(scope="module")
+def server(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeServer]:
+    srv = RuntimeServer(examples_dir / "runtime.yaml", log_path=tmp_path_factory.mktemp("bin") / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_tritonclient_binary_inputs_and_outputs_match_mnn(server: RuntimeServer, examples_dir: Path) -> None:
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(url=f"{server.host}:{server.port}")
+    x = np.random.default_rng(3).random((5, 64), dtype=np.float32)
+    inp = triton.InferInput("features", [5, 64], "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    out = triton.InferRequestedOutput("scores", binary_data=True)
+    result = client.infer("scorer", [inp], model_version="v1", outputs=[out])
+    expected = LoadedModel.load(examples_dir / "v1.mnn").infer([x])[0]
+    np.testing.assert_array_equal(result.as_numpy("scores"), expected)
+    assert result.get_response()["model_version"] == "v1"
+    everything = client.infer("scorer", [inp], model_version="v1")  # no outputs named: all binary
+    np.testing.assert_array_equal(everything.as_numpy("scores"), expected)
+    client.close()
+
+
+def raw_request(server: RuntimeServer, header: dict[str, object], binary: bytes,
+                json_length: int | None = None) -> httpx.Response:
+    head = json.dumps(header).encode()
+    length = len(head) if json_length is None else json_length
+    return httpx.post(server.url + INFER, content=head + binary, timeout=10,
+                      headers={"Inference-Header-Content-Length": str(length), "Content-Type": "application/octet-stream"})
+
+
+def tensor(size: int, shape: list[int] | None = None) -> dict[str, object]:
+    return {"inputs": [{"name": "features", "datatype": "FP32", "shape": shape or [1, 64],
+                        "parameters": {"binary_data_size": size}}]}
+
+
+@pytest.mark.parametrize(
+    ("header", "binary", "json_length", "message"),
+    [
+        (tensor(256), b"\0" * 100, None, "inputs claim 256 bytes but the body carries 100"),
+        (tensor(100), b"\0" * 100, None, "100 bytes, but shape [1, 64] of FP32 needs 256"),
+        (tensor(256), b"\0" * 256, 10_000_000, "is outside the body"),
+        (tensor(256), b"\0" * 256, 0, "is outside the body"),
+        (tensor(256), b"\0" * 256, 7, "not valid JSON"),
+        (tensor(-5), b"", None, "binary_data_size: -5 is not a byte count"),
+        (tensor(256), np.full(64, np.nan, np.float32).tobytes(), None, "NaN or infinite"),
+    ],
+)
+def test_binary_bodies_whose_lengths_lie_get_400(server: RuntimeServer, header: dict[str, object], binary: bytes,
+                                                 json_length: int | None, message: str) -> None:
+    r = raw_request(server, header, binary, json_length)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]
+    assert server.alive()
+
+
+def test_a_non_numeric_header_length_gets_400(server: RuntimeServer) -> None:
+    r = httpx.post(server.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": "lots"})
+    assert r.status_code == 400 and "'lots' is not a byte count" in r.json()["error"]
