@@ -1,7 +1,7 @@
 """The ``prometheus`` metric provider against a real Prometheus scraping two runtime servers at 1 s.
 
-The module sends one known batch of traffic and then samples with a 60 s window, so every test
-sees the same increase. ``increase()`` extrapolates: over a window [t-60s, t] it scales the
+The module sends one known batch of traffic and then samples with a 120 s window, so every test
+sees the same increase. ``increase()`` extrapolates: over a window [t-120s, t] it scales the
 difference between the first and last samples in the window by (sampled span + gap to the window
 ends) / sampled span. The counters start at 0 (children exist from start-up), and Prometheus never
 extrapolates a counter below zero, so the result is at least the exact count and at most about
@@ -30,7 +30,7 @@ from rollout_operator.spec import AnalysisSpec, MetricSpec, ProviderSpec
 from tests.promstack import Prometheus, require_promstack, send, write_runtime_config
 from tests.runtime_server import RuntimeServer
 
-WINDOW_SECONDS = 60
+WINDOW_SECONDS = 120  # every test of the module runs well within it after the traffic
 MAX_EXTRAPOLATION = 1.15
 # per pod: version -> (good, bad); v2-breaking answers 400 to every (v1-shaped) request
 TRAFFIC = {"v1": (30, 0), "v2": (20, 5), "v2-breaking": (10, 0)}
@@ -162,7 +162,7 @@ def test_a_bad_query_gives_an_error_sample_naming_the_query(stack: Stack) -> Non
         ctx(metrics=(MetricSpec(name="broken", query=broken, max=1),)))
     for sample in samples.values():
         assert sample.error is not None
-        assert 'sum(rate(mnn_inference_requests_total{model="scorer"}[60s]' in sample.error
+        assert 'sum(rate(mnn_inference_requests_total{model="scorer"}[120s]' in sample.error
         assert "parse error" in sample.error
     analysis = evaluate(AnalysisSpec(), samples["v2"], samples["v1"], now=0.0)
     assert analysis.verdict == INCONCLUSIVE and "parse error" in analysis.message
@@ -185,8 +185,12 @@ def test_prometheus_stopped_gives_error_samples_and_inconclusive_then_recovers_w
     assert provider.is_online()
     # same port and storage: the data from before the stop is still there
     requests, _ = stack.expected["v2"]
-    sample = stack.prometheus.wait_until(lambda: provider.sample(ctx())["v2"], 15, "a sample after the restart")
-    assert sample.error is None and sample.requests is not None and sample.requests >= requests - 1e-6
+
+    def recovered() -> Sample | None:
+        sample = provider.sample(ctx())["v2"]
+        return sample if sample.error is None and (sample.requests or 0) >= requests - 1e-6 else None
+
+    stack.prometheus.wait_until(recovered, 15, "a full sample after the restart")
 
 
 # -- the Authorization header from the factory's secret reader -----------------------------------
