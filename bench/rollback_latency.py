@@ -52,6 +52,13 @@ class FailureClock:
         self.first_failure, self.armed = None, True
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:  # make a dead load loop visible
+            print(f"traffic stopped: {exc!r}", flush=True)
+            raise
+
+    def _run(self) -> None:
         deadline = time.monotonic() + 1800
         i = 0
         with httpx.Client(timeout=5) as client:
@@ -89,6 +96,7 @@ def spec(cluster: Cluster, path: str) -> dict[str, Any]:
                                "analysis": {"interval": interval, "minRequests": 3, "failureLimit": 1,
                                             "metrics": [{"name": "error-rate", "max": 0.05}]}}
     obj["spec"]["progressDeadlineSeconds"] = 3600
+    obj["spec"]["weights"] = None  # kubectl apply: drop the static split for the canary
     return obj
 
 
@@ -114,8 +122,15 @@ def run_path(path: str, runs: int, models: Path, workdir: Path) -> list[float]:
         emu.kubectl("apply", "--validate=false", "-f", "-",
                     input="apiVersion: kopf.dev/v1\nkind: KopfPeering\nmetadata: {name: mnn-rollout, namespace: default}\n")
         op = cluster.start_operator()
-        cluster.apply(cluster.manifest("scorer.yaml"))
+        # v2-breaking listed (loaded, weight 0) from the start: the pods, and so Prometheus's
+        # targets, stay the same through every run.
+        first = cluster.manifest("scorer.yaml")
+        first["spec"]["versions"] = [{"name": "v1", "uri": f"file://{models}/v1.mnn"},
+                                     {"name": "v2-breaking", "uri": f"file://{models}/v2-breaking.mnn"}]
+        first["spec"]["weights"] = {"v1": 100, "v2-breaking": 0}
+        cluster.apply(first)
         cluster.wait_ready()
+        wait_for(lambda: cluster.status().get("phase") == "Ready", 60, "Ready")
         if path == "alertmanager":
             stack = start_alerting(cluster, op, workdir)
         clock = FailureClock(cluster)
@@ -145,11 +160,11 @@ def start_alerting(cluster: Cluster, op: Any, workdir: Path) -> list[Any]:
         "groups:\n- name: canary\n  rules:\n  - alert: CanaryErrors\n"
         "    expr: sum by (model, version) (rate(mnn_inference_requests_total{outcome!=\"success\"}[5s])) > 0\n"
         "    for: 0s\n")
-    am = Alertmanager(workdir / "am", webhook_url=f"http://127.0.0.1:{op.webhook_port}/alerts",
+    am = Alertmanager(workdir, webhook_url=f"http://127.0.0.1:{op.webhook_port}/alerts",
                       bearer_token=cluster.token)
     am.start()
     targets = [f"{p.ip}:{p.port}" for p in cluster.pods()]
-    prom = Prometheus(workdir / "prom", scrape_targets=targets, rule_files=[rules], alertmanager_url=am.url)
+    prom = Prometheus(workdir, scrape_targets=targets, rule_files=[rules], alertmanager_url=am.url)
     prom.start()
     prom.wait_for_up(60)
     return [prom, am]

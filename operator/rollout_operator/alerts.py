@@ -47,20 +47,32 @@ def parse_payload(body: bytes) -> list[dict[str, Any]]:
     return alerts
 
 
+IN_FLIGHT = ("Progressing", "Paused")
+
+
+def in_flight(md: dict[str, Any]) -> bool:
+    status = md.get("status") or {}
+    return bool(status.get("canaryVersion")) and status.get("phase") in IN_FLIGHT
+
+
 def targets(kube: KubeClient, labels: dict[str, str], namespaces: list[str] | None) -> list[dict[str, Any]]:
-    """ModelDeployments an alert's labels name, among those with a canary in flight."""
+    """ModelDeployments an alert's labels name, among those with a canary in flight and in the
+    namespaces this operator watches."""
     name = labels.get("modeldeployment") or labels.get("name")
     namespace = labels.get("namespace")
     if name and namespace:
+        if namespaces and namespace not in namespaces:
+            return []
         md = kube.get("ModelDeployment", namespace, name)
-        return [md] if md else []
+        return [md] if md and in_flight(md) else []
     model, version = labels.get("model"), labels.get("version")
     if not model or not version:
         return []
     found = []
     for md in list_modeldeployments(kube, namespaces):
         spec, status = md.get("spec") or {}, md.get("status") or {}
-        if (spec.get("model") or md["metadata"]["name"]) == model and status.get("canaryVersion") == version:
+        if (spec.get("model") or md["metadata"]["name"]) == model and status.get("canaryVersion") == version \
+                and in_flight(md):
             if namespace in (None, md["metadata"]["namespace"]):
                 found.append(md)
     return found

@@ -1,10 +1,10 @@
 """The ``direct`` provider: scrape every runtime pod's /metrics, no Prometheus needed.
 
 Counters and histogram buckets are summed across pods; the analysis interval's values are the
-deltas since the previous scrape of the same pod (a counter that went down means the pod
-restarted: its current value is the delta). The first scrape of an object only sets the baseline. A pod whose process start time changed
-restarted: its counters began again at 0, so their current values are the interval's. A pod
-missed by one scrape keeps its baseline for the next.
+deltas since the previous scrape of the same pod. The first scrape of an object only sets the
+baseline. A pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted:
+its counters began again at 0, so their current values are the interval's. A pod missed by one
+scrape keeps its baseline for the next.
 """
 
 from __future__ import annotations

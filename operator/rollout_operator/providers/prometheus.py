@@ -6,6 +6,7 @@ analysis treats as inconclusive: a rollout holds, and never promotes, on missing
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import httpx
@@ -33,10 +34,13 @@ class PrometheusProvider:
         self.timeout = timeout
         self.headers = dict(headers or {})
 
-    def query(self, promql: str) -> float | None:
-        """The value of an instant query with one series; None when it returns nothing."""
+    def query(self, promql: str, at: float | None = None) -> float | None:
+        """The value of an instant query with one series at time ``at``; None when it returns nothing."""
+        params = {"query": promql}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
         try:
-            resp = httpx.get(f"{self.address}/api/v1/query", params={"query": promql}, timeout=self.timeout,
+            resp = httpx.get(f"{self.address}/api/v1/query", params=params, timeout=self.timeout,
                              headers=self.headers)
         except httpx.HTTPError as exc:
             raise PrometheusError(f"{self.address} unreachable: {exc or type(exc).__name__}") from None
@@ -54,21 +58,22 @@ class PrometheusProvider:
 
     def is_online(self) -> bool:
         try:
-            return httpx.get(f"{self.address}/-/ready", timeout=self.timeout).status_code == 200
+            return httpx.get(f"{self.address}/-/ready", timeout=self.timeout, headers=self.headers).status_code == 200
         except httpx.HTTPError:
             return False
 
     def sample(self, ctx: SampleContext) -> dict[str, Sample]:
         window = f"{int(max(ctx.interval_seconds, MIN_WINDOW_SECONDS))}s"
+        at = time.time()  # every query of one sample at the same instant: errors never exceed requests
         out = {}
         for version in ctx.versions:
             values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window)
             try:
-                requests = self.query(_fill(QUERIES["requests"], values))
-                errors = self.query(_fill(QUERIES["errors"], values))
-                latency = {name: self.query(_fill(QUERIES["latency"], {**values, "q": str(q)}))
+                requests = self.query(_fill(QUERIES["requests"], values), at)
+                errors = self.query(_fill(QUERIES["errors"], values), at)
+                latency = {name: self.query(_fill(QUERIES["latency"], {**values, "q": str(q)}), at)
                            for name, q in QUANTILES.items()}
-                custom = {m.name: self.query(_fill(m.query, values)) for m in ctx.metrics if m.query}
+                custom = {m.name: self.query(_fill(m.query, values), at) for m in ctx.metrics if m.query}
             except PrometheusError as exc:
                 out[version] = Sample(error=str(exc))
                 continue
