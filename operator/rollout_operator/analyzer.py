@@ -35,7 +35,9 @@ class Analyzer:
         meta = body["metadata"]
         stable, canary = status.stable_version or "", status.canary_version or ""
         ctx = SampleContext(
-            key=meta["uid"], namespace=meta["namespace"], name=meta["name"], model=spec.model_name(meta["name"]),
+            # A new key per rollout (retry, a new canary): its first check takes a fresh baseline
+            # instead of counting traffic from before the rollout started.
+            key=f"{meta['uid']}@{status.rollout_started_at}", namespace=meta["namespace"], name=meta["name"], model=spec.model_name(meta["name"]),
             versions=(canary, stable), interval_seconds=spec.strategy.analysis.interval_seconds,
             metrics=spec.strategy.analysis.metrics,
             pod_urls=tuple(p.url for p in observation.pods if p.ip),

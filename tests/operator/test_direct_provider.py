@@ -264,3 +264,17 @@ def test_a_restarted_pod_that_served_more_than_before_is_counted_in_full(pods: l
     served = int(before) + 3  # the restarted pod's counter ends above its old value
     send(url, "v1", good=served)
     assert counts(provider.sample(ctx(url)), "v1") == (served, 0)
+
+
+def test_a_new_rollout_of_the_same_object_takes_a_fresh_baseline(pods: list[RuntimeServer]) -> None:
+    from dataclasses import replace
+
+    provider, url = DirectProvider(), pods[0].url
+    first = replace(ctx(url), key="uid-1@100.0")
+    provider.sample(first)
+    send(url, "v2", bad=4)  # failures of the first rollout, after its last check
+    retried = replace(ctx(url), key="uid-1@200.0")
+    assert provider.sample(retried)["v2"].error is not None  # a baseline, not the old failures
+    send(url, "v2", good=3)
+    assert counts(provider.sample(retried), "v2") == (3, 0)
+    assert list(provider._previous) == ["uid-1@200.0"]

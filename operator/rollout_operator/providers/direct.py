@@ -102,6 +102,9 @@ class DirectProvider:
             kept = {url: series for url, series in (previous[1] if previous else {}).items()
                     if url in ctx.pod_urls and url not in current}
             self._previous[ctx.key] = (time.monotonic(), {**kept, **current})
+            owner = ctx.key.split("@", 1)[0] + "@"
+            for stale in [k for k in self._previous if k.startswith(owner) and k != ctx.key]:
+                del self._previous[stale]  # an earlier rollout of the same object
         if previous is None:
             return {v: Sample(error="baseline taken; values from the next interval") for v in ctx.versions}
         if not current:
