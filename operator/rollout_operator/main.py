@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -50,10 +50,11 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5, backoff=1)
-def observe(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+def observe(*, stopped: kopf.DaemonStopped, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     """Level-based loop: re-read the object, observe pods and metrics, reconcile; sleep until the
     next analysis is due or the resync period passes."""
     reconciler: Reconciler = memo.reconciler
+    assert namespace is not None  # ModelDeployments are namespaced
     while not stopped:
         started = time.monotonic()
         live = None
@@ -64,7 +65,8 @@ def observe(stopped: kopf.DaemonStopped, name: str, namespace: str, memo: kopf.M
             if not live.get("metadata", {}).get("deletionTimestamp"):
                 outcome = reconciler.reconcile(live)
                 for event in outcome.events if outcome else []:
-                    kopf.event(live, type=event.type, reason=event.reason, message=event.message)
+                    kopf.event(kopf.Body(cast(kopf.RawBody, live)), type=event.type, reason=event.reason,
+                               message=event.message)
         except Exception:  # keep observing; the next pass retries
             log.exception("reconcile of %s/%s failed; retrying", namespace, name)
         stopped.wait(_sleep(reconciler, live, memo.resync_seconds, time.monotonic() - started))
@@ -84,6 +86,6 @@ def _sleep(reconciler: Reconciler, live: dict[str, Any] | None, resync: float, s
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def forget(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+def forget(*, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     """Children go by garbage collection (owner references); only drop our metric series."""
-    memo.reconciler.metrics.forget(namespace, name)
+    memo.reconciler.metrics.forget(namespace or "", name)

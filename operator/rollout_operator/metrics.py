@@ -53,7 +53,7 @@ class OperatorMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
-            children = [(self.phase, (namespace, name, p.value)) for p in Phase]
+            children: list[tuple[Gauge, tuple[str, ...]]] = [(self.phase, (namespace, name, p.value)) for p in Phase]
             children += [(self.weight, (namespace, name, v)) for v in self._weights.pop((namespace, name), set())]
             children.append((self.canary_weight, (namespace, name)))
             for gauge, labels in children:

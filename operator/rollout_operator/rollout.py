@@ -213,7 +213,7 @@ def _next_step(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events:
 
 def _promote(st: RolloutStatus, now: float, events: list[Event], why: str) -> RolloutStatus:
     canary, old = st.canary_version, st.stable_version
-    assert canary is not None
+    assert canary is not None and old is not None
     events.append(Event("Normal", "RolloutPromoted", f"{canary} promoted to stable ({why}); {old} leaves the routing"))
     weights = {canary: 100, old: 0}
     return replace(st, phase=Phase.PROMOTING, stable_version=canary, canary_weight=100, weights=weights,

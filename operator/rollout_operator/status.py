@@ -134,7 +134,7 @@ def with_condition(st: RolloutStatus, type_: str, status: str, reason: str, mess
                    now: float) -> RolloutStatus:
     """Set one condition; lastTransitionTime changes only when its status does."""
     conditions = list(st.conditions)
-    new = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": iso(now)}
+    new: dict[str, Any] = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": iso(now)}
     if st.observed_generation is not None:
         new["observedGeneration"] = st.observed_generation
     for i, cond in enumerate(conditions):

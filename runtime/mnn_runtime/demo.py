@@ -137,4 +137,4 @@ def run_demo(scenario: str = "promote", step_seconds: float = 5.0, workdir: str 
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(run_demo(*(sys.argv[1:2] or ["promote"])))
+    sys.exit(run_demo(sys.argv[1] if len(sys.argv) > 1 else "promote"))
