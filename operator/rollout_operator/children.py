@@ -17,7 +17,7 @@ from typing import Any
 from mnn_runtime.config import RuntimeConfig, dump_config
 from mnn_runtime.config_source import CONFIG_KEY
 
-from .spec import ModelDeploymentSpec
+from .spec import DEFAULT_IMAGE, ModelDeploymentSpec
 
 GROUP = "mnnrollout.io"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
@@ -112,7 +112,8 @@ def render_configmap(target: Target, config: RuntimeConfig) -> dict[str, Any]:
     })
 
 
-def render_deployment(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig) -> dict[str, Any]:
+def render_deployment(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
+                      default_image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     rt = spec.runtime
     pod_labels = {**rt.pod_labels, **labels(target)}
     annotations = {
@@ -124,7 +125,7 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
     }
     container: dict[str, Any] = {
         "name": "runtime",
-        "image": rt.image,
+        "image": rt.image or default_image,
         "command": ["mnn-rollout"],
         "args": ["serve", "--configmap", f"$(POD_NAMESPACE)/{target.routing}", "--host", "0.0.0.0",
                  "--port", str(rt.port)],
@@ -215,11 +216,12 @@ def render_rbac(target: Target) -> list[dict[str, Any]]:
     ]
 
 
-def render_all(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig) -> list[dict[str, Any]]:
+def render_all(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
+               default_image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
     """Every child, in creation order (RBAC before the pods that need it)."""
     return [
         *render_rbac(target),
         render_configmap(target, config),
-        render_deployment(target, spec, config),
+        render_deployment(target, spec, config, default_image),
         render_service(target, spec),
     ]

@@ -29,8 +29,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.execution.max_workers = 32
-    if memo.get("settings_hook"):
-        memo.settings_hook(settings)
+    # A replica that dies without saying goodbye blocks the standby for this long: keep it short.
+    settings.peering.lifetime = int(memo.get("peering_lifetime", 15))
 
 
 def _post(body: Any, outcome: Outcome) -> None:

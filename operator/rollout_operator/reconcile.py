@@ -21,7 +21,7 @@ from .kube import KubeClient
 from .metrics import OperatorMetrics
 from .observe import Observation, pod_views, scrape
 from .rollout import ACTIONS, Event, World, decide, mark_invalid, routed_versions
-from .spec import ModelDeploymentSpec, SpecError, parse_spec
+from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,10 @@ class Outcome:
 
 class Reconciler:
     def __init__(self, kube: KubeClient, metrics: OperatorMetrics | None = None,
-                 analyzer: Analyzer | None = None, clock: Callable[[], float] = time.time) -> None:
+                 analyzer: Analyzer | None = None, clock: Callable[[], float] = time.time,
+                 runtime_image: str = DEFAULT_IMAGE) -> None:
         self.kube = kube
+        self.runtime_image = runtime_image
         self.metrics = metrics or OperatorMetrics()
         self.analyzer = analyzer
         self.clock = clock
@@ -103,7 +105,7 @@ class Reconciler:
 
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new))
-        written = self.kube.ensure_all(children.render_all(target, spec, config))
+        written = self.kube.ensure_all(children.render_all(target, spec, config, self.runtime_image))
         first = not (body.get("status") or {}).get("observedGeneration")
         events.extend(self._child_events(first, status, new, written))
         wrote = self._write_status(body, new)

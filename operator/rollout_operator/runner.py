@@ -11,6 +11,8 @@ from typing import Any
 
 import kopf
 
+from .spec import DEFAULT_IMAGE
+
 log = logging.getLogger(__name__)
 
 
@@ -23,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standalone", action="store_true", help="no peering: act even if other replicas run")
     p.add_argument("--priority", type=int, default=None,
                    help="peering priority; the highest acts (default: random, so exactly one replica acts)")
+    p.add_argument("--peering-lifetime", type=int, default=int(env("MNN_ROLLOUT_PEERING_LIFETIME", "15")),
+                   help="seconds a replica's peering keep-alive is valid: how long a standby waits after the "
+                        "active replica dies without notice (default 15)")
     p.add_argument("--metrics-host", default=env("MNN_ROLLOUT_METRICS_HOST", "0.0.0.0"))
     p.add_argument("--metrics-port", type=int, default=int(env("MNN_ROLLOUT_METRICS_PORT", "8090")),
                    help="port of the operator's /metrics (0 disables)")
@@ -33,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the Alertmanager webhook POST /alerts (0 disables)")
     p.add_argument("--webhook-token-file", default=env("MNN_ROLLOUT_WEBHOOK_TOKEN_FILE", ""),
                    help="file holding the webhook's bearer token (a mounted Secret); required for the webhook")
+    p.add_argument("--runtime-image", default=env("MNN_ROLLOUT_RUNTIME_IMAGE", DEFAULT_IMAGE),
+                   help="image of the runtime pods when a ModelDeployment names none "
+                        f"(default {DEFAULT_IMAGE}; the Helm chart passes its own image)")
     p.add_argument("--resync-seconds", type=float, default=float(env("MNN_ROLLOUT_RESYNC_SECONDS", "2")),
                    help="how often each ModelDeployment is observed and reconciled (default 2)")
 
@@ -50,7 +58,8 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
     kube = KubeClient()
-    reconciler = Reconciler(kube, metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)))
+    reconciler = Reconciler(kube, metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)),
+                            runtime_image=args.runtime_image)
     if args.webhook_port:
         if not args.webhook_token_file:
             log.error("--webhook-port is set but --webhook-token-file is not: the webhook stays off")
@@ -61,7 +70,8 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
                                    args.namespace or None)
             webhook.start()
             log.info("Alertmanager webhook on %s:%s/alerts", args.webhook_host, webhook.port)
-    memo = kopf.Memo(reconciler=reconciler, resync_seconds=args.resync_seconds, **(memo_extra or {}))
+    memo = kopf.Memo(reconciler=reconciler, resync_seconds=args.resync_seconds,
+                     peering_lifetime=args.peering_lifetime, **(memo_extra or {}))
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     kwargs: dict[str, Any] = {"memo": memo, "standalone": args.standalone, "priority": priority,
                               "liveness_endpoint": args.liveness or None}

@@ -124,7 +124,7 @@ class RoutingSpec(_Model):
 
 
 class RuntimeSpec(_Model):
-    image: str = DEFAULT_IMAGE
+    image: str | None = None  # None: the operator's --runtime-image
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None,
                                                                                  alias="imagePullPolicy")
     replicas: int = Field(default=2, ge=0, le=1000)
