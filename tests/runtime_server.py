@@ -20,8 +20,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RuntimeServer:
-    def __init__(self, config: Path, log_path: Path, host: str = "127.0.0.1", wait_ready: bool = True) -> None:
+    def __init__(self, config: Path, log_path: Path, host: str = "127.0.0.1", wait_ready: bool = True,
+                 extra_args: list[str] | None = None) -> None:
         self.config = config
+        self.extra_args = extra_args or []
         self.log_path = log_path
         self.host = host
         self.port = free_port(host)
@@ -37,7 +39,7 @@ class RuntimeServer:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mnn_runtime.cli", "serve", "--config", str(self.config),
-             "--host", self.host, "--port", str(self.port)],
+             "--host", self.host, "--port", str(self.port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
         path = "/v2/health/ready" if self.wait_ready else "/v2/health/live"

@@ -128,7 +128,7 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "image": rt.image or default_image,
         "command": ["mnn-rollout"],
         "args": ["serve", "--configmap", f"$(POD_NAMESPACE)/{target.routing}", "--host", "0.0.0.0",
-                 "--port", str(rt.port)],
+                 "--port", str(rt.port), "--workers", str(rt.workers)],
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

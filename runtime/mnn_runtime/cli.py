@@ -10,16 +10,22 @@ from pathlib import Path
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .config import ConfigError
-    from .server import build_runtime, build_runtime_from_configmap, serve
+    from .server import build_runtime, build_runtime_from_configmap, serve, serve_workers
 
     if bool(args.config) == bool(args.configmap):
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print(f"error: --workers {args.workers}: must be at least 1", file=sys.stderr)
+        return 2
+
+    def build():  # type: ignore[no-untyped-def]
+        return build_runtime(Path(args.config)) if args.config else build_runtime_from_configmap(args.configmap)
+
     try:
-        if args.config:
-            runtime = build_runtime(Path(args.config))
-        else:
-            runtime = build_runtime_from_configmap(args.configmap)
+        if args.workers > 1:
+            return serve_workers(build, args.host, args.port, args.workers, log_level=args.log_level)
+        runtime = build()
     except ConfigError as exc:
         print(f"error: {args.config or args.configmap}: {exc}", file=sys.stderr)
         return 2
@@ -83,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "through the Kubernetes API (in a pod)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes sharing one copy of the weights (forked after loading; default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
 

@@ -6,6 +6,7 @@ known, so ``rate()`` sees the very first error instead of a series appearing mid
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -43,29 +44,35 @@ class RuntimeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # multiprocess_mode applies with several workers: in-flight requests add up over the live
+        # workers; state gauges show the most recent value any worker set.
         self.in_flight = Gauge(
             "mnn_inference_in_flight_requests",
             "Inference requests being served right now.",
             ["model", "version"],
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.weight = Gauge(
             "mnn_version_traffic_weight_ratio",
             "Share of keyed traffic routed to the version (0-1) by the current routing table.",
             ["model", "version"],
             registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.loaded = Gauge(
             "mnn_version_loaded",
             "1 when the version is loaded and can serve, 0 when it failed or is loading.",
             ["model", "version"],
             registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.load_duration = Gauge(
             "mnn_version_load_duration_seconds",
             "How long loading and warming up the version took.",
             ["model", "version"],
             registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.config_reloads = Counter(
             "mnn_config_reloads",
@@ -77,9 +84,11 @@ class RuntimeMetrics:
             self.config_reloads.labels(model, result)
         self.start_time = Gauge(
             "mnn_runtime_start_time_seconds",
-            "When this runtime process started (Unix time): a change means its counters restarted at 0.",
+            "When this runtime (its parent process) started (Unix time): a change means its counters "
+            "restarted at 0.",
             ["model"],
             registry=self.registry,
+            multiprocess_mode="max",
         )
         self.start_time.labels(model).set(time.time())
         self.touch(UNROUTED)
@@ -109,7 +118,14 @@ class RuntimeMetrics:
             self.latency.labels(self.model, version).observe(seconds)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not directory:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        return generate_latest(registry)
 
 
 def outcome_of(status_code: int) -> str:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI
@@ -104,19 +104,32 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
     return _assemble(text, None, make)
 
 
-def serve(runtime: Runtime, host: str, port: int, log_level: str = "info") -> None:
-    """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown."""
+def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,
+                  log_level: str = "info") -> int:
+    """Load once in this process, then fork ``workers`` processes sharing the weights."""
+    from .workers import Supervisor, bind, enable_multiprocess_metrics
+
+    metrics_dir = enable_multiprocess_metrics()
+    runtime = build()  # models loaded and warmed before the fork: shared copy-on-write
+    sock = bind(host, port)
+    log.info("serving on %s:%s with %d workers", host, port, workers)
+    return Supervisor(workers, sock, lambda s: serve(runtime, host, port, log_level, sock=s), metrics_dir).run()
+
+
+def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock: Any = None) -> None:
+    """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown. With
+    ``sock`` (a worker), serve that already-bound socket."""
     runtime.source.start()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            runtime.app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            access_log=False,
-            timeout_graceful_shutdown=10,
-        )
+    config = uvicorn.Config(
+        runtime.app,
+        host=host,
+        port=port,
+        fd=sock.fileno() if sock is not None else None,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
     )
+    server = uvicorn.Server(config)
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
