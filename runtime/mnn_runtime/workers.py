@@ -13,6 +13,7 @@ stay in the sum (the pod's totals never go backwards); its live gauges are dropp
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -86,6 +87,9 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        # Keep the garbage collector off the parent's objects in the workers: a collection
+        # writes to every object it visits, which would copy the shared pages into each worker.
+        gc.freeze()
         for slot in range(self.workers):
             self._spawn(slot)
         while self.children:
