@@ -124,7 +124,6 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock:
         runtime.app,
         host=host,
         port=port,
-        fd=sock.fileno() if sock is not None else None,
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=10,
@@ -134,6 +133,8 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock:
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()
+        # A worker serves the parent's socket as a socket object: uvicorn's `fd=` would wrap it as
+        # AF_UNIX and lose TCP_NODELAY (40 ms per keep-alive request).
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         runtime.close()

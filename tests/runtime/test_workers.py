@@ -44,6 +44,17 @@ def test_the_parent_forks_two_workers_that_share_the_socket(server: RuntimeServe
         assert all(c.post(INFER, json=BODY, headers={"X-User-Id": f"u{i}"}).status_code == 200 for i in range(50))
 
 
+def test_keep_alive_requests_to_workers_are_not_delayed(server: RuntimeServer) -> None:
+    """Regression: serving the inherited socket through uvicorn's fd= lost TCP_NODELAY and added
+    ~40 ms (Nagle + delayed ACK) to every keep-alive request."""
+    with httpx.Client(base_url=server.url) as c:
+        c.get("/v2/health/live")
+        started = time.monotonic()
+        for _ in range(100):
+            c.get("/v2/health/live")
+        assert time.monotonic() - started < 3.0  # ~0.1 s healthy; >= 4 s with the delay
+
+
 def test_metrics_add_up_over_all_workers(server: RuntimeServer) -> None:
     with httpx.Client(base_url=server.url) as c:
         # separate connections land on either worker
