@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mnn_runtime.config import DNS1123_LABEL, VersionSpec, format_validation_error
+from mnn_runtime.config import DNS1123_LABEL, VersionSpec, check_versions, format_validation_error
 
 DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -155,20 +155,7 @@ class ModelDeploymentSpec(_Model):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ModelDeploymentSpec:
-        names = [v.name for v in self.versions]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"versions: duplicate version names {dupes}; each name must be unique")
-        for field, value in (("stable", self.stable), ("canary", self.canary)):
-            if value is not None and value not in names:
-                raise ValueError(f"{field}: {value!r} is not a listed version; valid: {names}")
-        for name, weight in self.weights.items():
-            if name not in names:
-                raise ValueError(f"weights.{name}: {name!r} is not a listed version; valid: {names}")
-            if not 0 <= weight <= 100:
-                raise ValueError(f"weights.{name}: {weight} is outside 0-100")
-        if self.weights and sum(self.weights.values()) != 100:
-            raise ValueError(f"weights: {dict(self.weights)} sum to {sum(self.weights.values())}; must sum to 100")
+        check_versions(self.versions, self.weights, {"stable": self.stable, "canary": self.canary})
         if self.canary is not None and self.weights:
             raise ValueError("weights and canary: set either weights (a static split) or canary, not both")
         if self.canary is not None and self.canary == self.stable:

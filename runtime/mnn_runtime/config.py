@@ -124,21 +124,7 @@ class RuntimeConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RuntimeConfig:
-        names = [v.name for v in self.versions]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"versions: duplicate version names {duplicates}; each name must be unique")
-        if self.stable is not None and self.stable not in names:
-            raise ValueError(f"stable: {self.stable!r} is not a listed version; valid: {names}")
-        for name, weight in self.weights.items():
-            if name not in names:
-                raise ValueError(f"weights.{name}: {name!r} is not a listed version; valid: {names}")
-            if not 0 <= weight <= 100:
-                raise ValueError(f"weights.{name}: {weight} is outside 0-100")
-        if self.weights and sum(self.weights.values()) != 100:
-            raise ValueError(
-                f"weights: {dict(self.weights)} sum to {sum(self.weights.values())}; they must sum to 100"
-            )
+        check_versions(self.versions, self.weights, {"stable": self.stable})
         return self
 
     @property
@@ -159,6 +145,26 @@ class RuntimeConfig(_Strict):
         """Hash of the version list alone: it changes when versions change, not when weights do."""
         text = "\n".join(f"{v.name}\t{v.uri}\t{v.sha256 or ''}" for v in self.versions)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_versions(versions: list[VersionSpec], weights: dict[str, int], named: dict[str, str | None]) -> None:
+    """Cross-field rules shared by the runtime config and the ModelDeployment spec: unique
+    version names; ``named`` fields (stable, canary) and weights name listed versions; weights
+    are 0-100 and sum to 100."""
+    names = [v.name for v in versions]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"versions: duplicate version names {duplicates}; each name must be unique")
+    for field, value in named.items():
+        if value is not None and value not in names:
+            raise ValueError(f"{field}: {value!r} is not a listed version; valid: {names}")
+    for name, weight in weights.items():
+        if name not in names:
+            raise ValueError(f"weights.{name}: {name!r} is not a listed version; valid: {names}")
+        if not 0 <= weight <= 100:
+            raise ValueError(f"weights.{name}: {weight} is outside 0-100")
+    if weights and sum(weights.values()) != 100:
+        raise ValueError(f"weights: {dict(weights)} sum to {sum(weights.values())}; must sum to 100")
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
