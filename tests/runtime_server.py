@@ -67,7 +67,7 @@ class RuntimeServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=40)  # workers drain for up to 10 s each
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -24,7 +24,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         if args.workers > 1:
-            return serve_workers(build, args.host, args.port, args.workers, log_level=args.log_level)
+            return serve_workers(build, args.host, args.port, args.workers, log_level=args.log_level,
+                                 grpc_port=args.grpc_port)
         runtime = build()
     except ConfigError as exc:
         print(f"error: {args.config or args.configmap}: {exc}", file=sys.stderr)
@@ -32,7 +33,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    serve(runtime, args.host, args.port, log_level=args.log_level)
+    serve(runtime, args.host, args.port, log_level=args.log_level, grpc_port=args.grpc_port)
     return 0
 
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "through the Kubernetes API (in a pod)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve OIP v2 over gRPC on this port (same host; default: no gRPC)")
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes sharing one copy of the weights (forked after loading; default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -105,7 +105,7 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
 
 
 def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,
-                  log_level: str = "info") -> int:
+                  log_level: str = "info", grpc_port: int | None = None) -> int:
     """Load once in this process, then fork ``workers`` processes sharing the weights."""
     from .workers import Supervisor, bind, enable_multiprocess_metrics
 
@@ -113,12 +113,15 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     runtime = build()  # models loaded and warmed before the fork: shared copy-on-write
     sock = bind(host, port)
     log.info("serving on %s:%s with %d workers", host, port, workers)
-    return Supervisor(workers, sock, lambda s: serve(runtime, host, port, log_level, sock=s), metrics_dir).run()
+    return Supervisor(workers, sock, lambda s: serve(runtime, host, port, log_level, sock=s, grpc_port=grpc_port),
+                      metrics_dir).run()
 
 
-def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock: Any = None) -> None:
+def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock: Any = None,
+          grpc_port: int | None = None) -> None:
     """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown. With
-    ``sock`` (a worker), serve that already-bound socket."""
+    ``sock`` (a worker), serve that already-bound socket. With ``grpc_port``, OIP v2 gRPC is served
+    on the same event loop (every worker binds that port: SO_REUSEPORT)."""
     runtime.source.start()
     config = uvicorn.Config(
         runtime.app,
@@ -135,6 +138,12 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock:
     try:
         # A worker serves the parent's socket as a socket object: uvicorn's `fd=` would wrap it as
         # AF_UNIX and lose TCP_NODELAY (40 ms per keep-alive request).
-        server.run(sockets=[sock] if sock is not None else None)
+        sockets = [sock] if sock is not None else None
+        if grpc_port is None:
+            server.run(sockets=sockets)
+        else:
+            from .grpc_server import run_with_uvicorn  # gRPC starts in the worker, after the fork
+
+            run_with_uvicorn(server, runtime.dataplane, host, grpc_port, sockets, reuse_port=sock is not None)
     finally:
         runtime.close()

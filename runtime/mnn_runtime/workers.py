@@ -27,6 +27,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker when its supervisor dies, so no worker outlives it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def enable_multiprocess_metrics() -> Path:
     """Switch prometheus-client to multiprocess values; call before any metric is created."""
     from prometheus_client import values
@@ -63,6 +74,7 @@ class Supervisor:
     def _spawn(self, slot: int) -> None:
         pid = os.fork()
         if pid == 0:  # the worker
+            _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             code = 0
