@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from .children import OWNER_LABEL
 from .kube import ApiError, KubeClient
 from .reconcile import ACTION_ANNOTATION
 
@@ -38,8 +39,8 @@ def set_paused(kube: KubeClient, namespace: str, name: str, paused: bool) -> Non
     kube.patch("ModelDeployment", namespace, name, {"spec": {"paused": paused}})
 
 
-def render(md: dict[str, Any]) -> str:
-    """A tree of the rollout: versions and weights, step, each analysis metric, conditions."""
+def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
+    """A tree of the rollout: versions and weights, step, each analysis metric, conditions, pods."""
     meta, spec, st = md["metadata"], md.get("spec") or {}, md.get("status") or {}
     lines = [f"{meta['namespace']}/{meta['name']}  phase {st.get('phase', '?')}  ready {st.get('readyText', '?')}"]
     lines.append(f"├─ stable  {st.get('stableVersion', '?')}")
@@ -63,6 +64,14 @@ def render(md: dict[str, Any]) -> str:
             lines.append(f"│  {m['verdict']:<12} {m['name']:<24} {value:>10}   {m.get('threshold', '')}")
     for c in st.get("conditions") or []:
         lines.append(f"├─ {c['type']:<13} {c['status']:<6} {c.get('reason', '')}: {c.get('message', '')}")
+    if pods is not None:
+        lines.append(f"├─ pods ({len(pods)})")
+        for pod in pods:
+            pst = pod.get("status") or {}
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pst.get("conditions") or [])
+            restarts = sum(c.get("restartCount", 0) for c in pst.get("containerStatuses") or [])
+            lines.append(f"│  {'✔' if ready else '✘'} {pod['metadata']['name']:<40} {pst.get('podIP') or '-':<16} "
+                         f"{'Ready' if ready else 'NotReady'}  restarts {restarts}")
     lines.append(f"└─ {st.get('message', '')}")
     return "\n".join(lines)
 
@@ -75,7 +84,8 @@ def status(kube: KubeClient, namespace: str, name: str, watch: bool, timeout: fl
     tty = sys.stdout.isatty()
     while True:
         md = _get(kube, namespace, name)
-        text = json.dumps(md.get("status") or {}, indent=2) if as_json else render(md)
+        pods = kube.list("Pod", namespace, f"{OWNER_LABEL}={name},app.kubernetes.io/component=runtime")
+        text = json.dumps(md.get("status") or {}, indent=2) if as_json else render(md, pods)
         if watch and tty:
             sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
         else:

@@ -35,6 +35,7 @@ def test_the_kubectl_plugin_steers_a_rollout_and_reports_it(cluster: Cluster) ->
         tree = plugin(cluster, "status", "scorer").stdout
         assert "default/scorer  phase Paused" in tree and "canary  v2  weight 10%  step 1/3" in tree
         assert "✔ v2" in tree and "Ready" in tree
+        assert "├─ pods (2)" in tree and tree.count("scorer-runtime-") == 2
         assert "scorer" in plugin(cluster, "list").stdout
         plugin(cluster, "promote", "scorer")
         wait_for(lambda: cluster.status()["canaryWeight"] == 40, 20, "promote -> step 2")
