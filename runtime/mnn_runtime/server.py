@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import uvicorn
-from fastapi import FastAPI
 
 from .config import ConfigError, RuntimeConfig, parse_config_text
 from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
@@ -23,6 +22,7 @@ from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
 from .registry import Registry
+from .fastpath import InferFastPath
 from .rest import create_app
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Runtime:
     registry: Registry
     metrics: RuntimeMetrics
     dataplane: DataPlane
-    app: FastAPI
+    app: Any  # the ASGI app: the infer fast path in front of FastAPI
     source: Source
 
     def close(self) -> None:
@@ -67,7 +67,7 @@ def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApp
     source = make_source(_applier(metrics, registry, config.model))
     source.prime(text)
     dataplane = DataPlane(registry, metrics, config.server.threads)
-    return Runtime(config, registry, metrics, dataplane, create_app(dataplane, metrics), source)
+    return Runtime(config, registry, metrics, dataplane, InferFastPath(create_app(dataplane, metrics), dataplane), source)
 
 
 def build_runtime(config_path: Path, poll_interval: float = 0.2) -> Runtime:
