@@ -157,7 +157,6 @@ def test_kubectl_scale_uses_the_scale_subresource(api, ns):
 PROJECT_CRD = ROOT / 'crds' / 'modeldeployment.yaml'
 
 
-@pytest.mark.skipif(not PROJECT_CRD.exists(), reason='the project CRD is not written yet')
 def test_the_project_crd_is_served_and_kubectl_resolves_md(k8s_emulator_factory):
     emu = k8s_emulator_factory(crds=[PROJECT_CRD])
     doc = ok(emu.request('GET', '/apis/mnnrollout.io/v1alpha1'))
