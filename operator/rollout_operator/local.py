@@ -78,9 +78,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalRuntime:
     """``mnn-rollout serve --config FILE`` as a child process on a loopback port."""
 
-    def __init__(self, config: Path, log_path: Path, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, config: Path, log_path: Path, host: str = "127.0.0.1", port: int | None = None,
+                 extra_args: list[str] | None = None, ready_path: str = "/v2/health/ready",
+                 log_level: str = "warning", stop_timeout: float = 20.0) -> None:
         self.config, self.log_path, self.host = config, log_path, _loopback(host)
         self.port = port or free_port(host)
+        self.extra_args = list(extra_args or [])
+        self.ready_path, self.log_level, self.stop_timeout = ready_path, log_level, stop_timeout
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -91,7 +95,7 @@ class LocalRuntime:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mnn_runtime.cli", "serve", "--config", str(self.config), "--host",
-                 self.host, "--port", str(self.port), "--log-level", "warning"],
+                 self.host, "--port", str(self.port), "--log-level", self.log_level, *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
             )
         deadline = time.monotonic() + timeout
@@ -99,7 +103,7 @@ class LocalRuntime:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the runtime exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -113,7 +117,7 @@ class LocalRuntime:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
