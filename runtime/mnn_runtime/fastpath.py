@@ -15,6 +15,8 @@ import orjson
 
 from .binary import RESPONSE_HEADER
 from .dataplane import VERSION_HEADER, DataPlane
+from .errors import InferenceError
+from .rest import read_body
 
 JSON = b"application/json"
 OCTETS = b"application/octet-stream"
@@ -47,23 +49,13 @@ class InferFastPath:
     async def _infer(self, scope: dict[str, Any], receive: Any, send: Any, model: str, version: str | None) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            await _send(send, 413, _error(f"body of {declared} bytes is over the limit of {limit} bytes"), JSON)
+        try:
+            body = await read_body(headers, receive, limit)
+        except InferenceError as exc:
+            await _send(send, exc.status_code, _error(exc.message), JSON)
             return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _send(send, 413, _error(f"body is over the limit of {limit} bytes"), JSON)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if body is None:
+            return
         result = await self.dataplane.infer(model, version, body, headers)
         extra = [(VERSION_HEADER.lower().encode(), result.version.encode())] if result.version else []
         if result.json_length is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -68,18 +69,24 @@ def _obj(payload: dict[str, Any]) -> Response:
     return _json(200, orjson.dumps(payload))
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+async def read_body(headers: Mapping[str, str], receive: Any, limit: int) -> bytes | None:
+    """The request body from ASGI ``receive``, refusing (413) anything over ``limit`` before
+    reading it all; None when the client went away."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class V2Endpoints:
@@ -123,9 +130,11 @@ class V2Endpoints:
     async def infer(self, request: Request, model_name: str, version: str | None = None) -> Response:
         limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
         try:
-            body = await read_body(request, limit)
+            body = await read_body(request.headers, request.receive, limit)
         except InferenceError as exc:
             return _error(exc)
+        if body is None:
+            return Response(status_code=499)
         result = await self.dataplane.infer(model_name, version, body, request.headers)
         headers = {VERSION_HEADER: result.version} if result.version else {}
         if result.json_length is not None:
