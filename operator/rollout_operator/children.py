@@ -99,7 +99,7 @@ def runtime_config(
         "weights": {v: int(weights.get(v, 0)) for v in versions},
         "stable": stable,
         "routing": spec.routing.model_dump(exclude_none=True),
-        "server": {"max_body_bytes": spec.runtime.max_body_bytes, "threads": spec.runtime.threads},
+        "server": {"max_body_bytes": spec.runtime.max_body_bytes},
     })
 
 
@@ -128,7 +128,7 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "image": rt.image or default_image,
         "command": ["mnn-rollout"],
         "args": ["serve", "--configmap", f"$(POD_NAMESPACE)/{target.routing}", "--host", "0.0.0.0",
-                 "--port", str(rt.port), "--workers", str(rt.workers)],
+                 "--port", str(rt.port), "--workers", "auto" if rt.workers is None else str(rt.workers)],
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

@@ -84,6 +84,9 @@ class LocalRuntime:
         self.config, self.log_path, self.host = config, log_path, _loopback(host)
         self.port = port or free_port(host)
         self.extra_args = list(extra_args or [])
+        if not any(a == "--workers" or a.startswith("--workers=") for a in self.extra_args):
+            # one process unless asked: the demo and the tests run several runtimes on one machine
+            self.extra_args += ["--workers", "1"]
         self.ready_path, self.log_level, self.stop_timeout = ready_path, log_level, stop_timeout
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -128,8 +128,7 @@ class RuntimeSpec(_Model):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None,
                                                                                  alias="imagePullPolicy")
     replicas: int = Field(default=2, ge=0, le=1000)
-    workers: int = Field(default=1, ge=1, le=64)
-    threads: int = Field(default=4, ge=1, le=64)
+    workers: int | None = Field(default=None, ge=1, le=64)  # None: one per CPU of the pod's limit
     port: int = Field(default=8080, ge=1024, le=65535)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, alias="maxBodyBytes")
     resources: dict[str, Any] = Field(default_factory=dict)

@@ -15,16 +15,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if bool(args.config) == bool(args.configmap):
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
         return 2
-    if args.workers < 1:
-        print(f"error: --workers {args.workers}: must be at least 1", file=sys.stderr)
-        return 2
+    from .workers import usable_cpus
+
+    if args.workers == "auto":
+        workers = usable_cpus()
+    else:
+        try:
+            workers = int(args.workers)
+        except ValueError:
+            workers = 0
+        if workers < 1:
+            print(f"error: --workers {args.workers!r}: must be a whole number of at least 1, or 'auto'",
+                  file=sys.stderr)
+            return 2
 
     def build():  # type: ignore[no-untyped-def]
         return build_runtime(Path(args.config)) if args.config else build_runtime_from_configmap(args.configmap)
 
     try:
-        if args.workers > 1:
-            return serve_workers(build, args.host, args.port, args.workers, log_level=args.log_level,
+        if workers > 1:
+            return serve_workers(build, args.host, args.port, workers, log_level=args.log_level,
                                  grpc_port=args.grpc_port)
         runtime = build()
     except ConfigError as exc:
@@ -92,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080)")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve OIP v2 over gRPC on this port (same host; default: no gRPC)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="worker processes sharing one copy of the weights (forked after loading; default 1)")
+    p.add_argument("--workers", default="auto",
+                   help="worker processes sharing one copy of the weights (forked after loading); default "
+                        "'auto': the CPUs this process may use (its cgroup CPU limit, else its affinity)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
 

@@ -29,12 +29,35 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class BatchingSpec(_Strict):
+    """Dynamic batching of one version: concurrent requests go through one ``forward``.
+
+    Field names follow Triton's ``dynamic_batching``; the camelCase spellings (as in the
+    ModelDeployment spec) are accepted too.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    max_batch_size: int = Field(
+        default=32, ge=2, le=1024, alias="maxBatchSize",
+        description="Most rows (summed over the requests) one forward takes.",
+    )
+    max_queue_delay_microseconds: int = Field(
+        default=0, ge=0, le=1_000_000, alias="maxQueueDelayMicroseconds",
+        description="How long the first request of a batch waits for others; 0: only requests "
+        "that arrived together (while the previous forward ran) are batched.",
+    )
+
+
 class VersionSpec(_Strict):
     """One model version: a name and where its ``.mnn`` file is."""
 
     name: str = Field(description="Version name, a DNS-1123 label such as v1 or v2-int8.")
     uri: str = Field(description="A path or file:// URI of the .mnn file (relative to the config file).")
     sha256: str | None = Field(default=None, description="Expected sha256 of the file, lowercase hex.")
+    batching: BatchingSpec | None = Field(
+        default=None, description="Dynamic batching for this version; absent: every request runs alone."
+    )
 
     @field_validator("name")
     @classmethod
@@ -96,7 +119,6 @@ class ServerSpec(_Strict):
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest accepted request body; larger gets 413."
     )
-    threads: int = Field(default=4, ge=1, le=64, description="Inference threads (one MNN clone each).")
     max_batch: int = Field(default=1024, ge=1, description="Largest accepted size of a dynamic batch dim.")
 
 

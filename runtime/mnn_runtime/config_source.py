@@ -68,6 +68,13 @@ class FileConfigSource:
         self.applier._last_digest = hashlib.sha256(text.encode()).hexdigest()
         self._stamp = self._stat()
 
+    def follow(self, applier: ConfigApplier) -> FileConfigSource:
+        """Another follower of the same file, from where this one is, with its own applier."""
+        other = FileConfigSource(self.path, applier, self.interval)
+        other._stamp = self._stamp
+        applier._last_digest = self.applier._last_digest
+        return other
+
     def _stat(self) -> tuple[int, int, int] | None:
         try:
             st = self.path.stat()
@@ -146,6 +153,13 @@ class ConfigMapSource:
 
     def prime(self, text: str) -> None:
         self.applier._last_digest = hashlib.sha256(text.encode()).hexdigest()
+
+    def follow(self, applier: ConfigApplier) -> ConfigMapSource:
+        """Another follower of the same ConfigMap, from where this one is, with its own applier."""
+        other = ConfigMapSource(self.api, self.namespace, self.name, applier, self.watch_timeout, self.retry_delay)
+        other.resource_version = self.resource_version
+        applier._last_digest = self.applier._last_digest
+        return other
 
     def _relist(self) -> None:
         self.applier.offer(self.fetch(), self.origin)

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,12 @@ import orjson
 
 from . import __version__
 from . import binary as binary_ext
+from .batching import Batcher, batching_off_reason
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
+from .config import BatchingSpec
 from .errors import BadRequest, InferenceError, ModelNotFound
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
+from .model import LoadedModel
 from .registry import Registry, Snapshot, VersionState
 
 log = logging.getLogger(__name__)
@@ -41,10 +43,12 @@ class InferResult:
 class DataPlane:
     """The OIP v2 operations over the registry's current snapshot."""
 
-    def __init__(self, registry: Registry, metrics: RuntimeMetrics, threads: int) -> None:
+    def __init__(self, registry: Registry, metrics: RuntimeMetrics) -> None:
         self.registry = registry
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mnn-infer")
+        # (event loop, version) -> (the model and spec it was made for, its batcher or None when
+        # the model cannot be batched)
+        self._batchers: dict[tuple[int, str], tuple[LoadedModel, BatchingSpec, Batcher | None]] = {}
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -102,7 +106,7 @@ class DataPlane:
             "versions_digest": snap.config.version_set_digest(),
             "versions": {
                 name: {"ready": v.ready, "state": v.state, "reason": v.reason, "uri": v.spec.uri,
-                       "sha256": v.model.sha256 if v.model else None}
+                       "sha256": v.model.sha256 if v.model else None, "batching": _batching_status(v)}
                 for name, v in snap.versions.items()
             },
         }
@@ -130,8 +134,12 @@ class DataPlane:
             state = snap.version(version)
             arrays, wanted = self._inputs(state, request, snap.config.server.max_batch, binary)
             assert state.model is not None
-            loop = asyncio.get_running_loop()
-            outputs = await loop.run_in_executor(self.executor, state.model.infer, arrays)
+            batcher = self._batcher(state) if state.spec.batching is not None else None
+            if batcher is None:
+                # On the loop itself: forward holds the GIL, so a thread hop would only add its cost.
+                outputs = state.model.infer(arrays)
+            else:
+                outputs = await batcher.infer(arrays)
             payload, json_length = _response(model, version, request, state, outputs, wanted)
             status = 200
             return InferResult(200, payload, version, json_length)
@@ -145,6 +153,26 @@ class DataPlane:
             if label != UNROUTED:
                 self.metrics.in_flight.labels(self.metrics.model, label).dec()
             self.metrics.observe(label, outcome_of(status), time.perf_counter() - started)
+
+    def _batcher(self, state: VersionState) -> Batcher | None:
+        """This loop's batcher for a version with batching configured; None when the model
+        cannot be batched (the reason is in ``model_status``)."""
+        loop = asyncio.get_running_loop()
+        key = (id(loop), state.spec.name)
+        spec = state.spec.batching
+        assert spec is not None and state.model is not None
+        cached = self._batchers.get(key)
+        if cached is not None and cached[0] is state.model and cached[1] == spec:
+            return cached[2]
+        batcher = None
+        reason = batching_off_reason(state.model)
+        if reason is not None:
+            log.warning("version %s: batching is configured but off: %s", state.spec.name, reason)
+        else:
+            histogram = self.metrics.batch_rows.labels(self.metrics.model, state.spec.name)
+            batcher = Batcher(state.model, spec, loop, histogram.observe)
+        self._batchers[key] = (state.model, spec, batcher)
+        return batcher
 
     def _choose(
         self,
@@ -206,6 +234,14 @@ class DataPlane:
         if len(batches) > 1:
             raise BadRequest(f"inputs: batch sizes differ between inputs: {sorted(batches)}")
         return [given[s.name] for s in model.inputs], _wanted_outputs(request, state)
+
+
+def _batching_status(state: VersionState) -> dict[str, Any] | None:
+    spec = state.spec.batching
+    if spec is None:
+        return None
+    reason = batching_off_reason(state.model) if state.model is not None else None
+    return {**spec.model_dump(), "active": reason is None, "reason": reason}
 
 
 def _parse(body: bytes) -> tuple[dict[str, Any] | None, BadRequest | None]:

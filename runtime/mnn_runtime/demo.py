@@ -78,7 +78,7 @@ def demo_spec(scenario: Scenario, sums: dict[str, str], step_seconds: float = 5.
             "scaleDownDelaySeconds": max(1.0, min(2.0, step_seconds)),
         },
         "progressDeadlineSeconds": 60,
-        "runtime": {"replicas": 1, "threads": 4},
+        "runtime": {"replicas": 1, "workers": 1},
     }
 
 

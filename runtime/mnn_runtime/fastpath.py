@@ -37,8 +37,13 @@ class InferFastPath:
     def __init__(self, app: Any, dataplane: DataPlane) -> None:
         self.app = app
         self.dataplane = dataplane
+        # Set when this worker is being retired: every response says `Connection: close`, so
+        # clients move to another worker between requests instead of losing one to a close.
+        self.draining = False
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.draining and scope["type"] == "http":
+            send = _closing(send)
         if scope["type"] == "http" and scope["method"] == "POST":
             target = _route(scope["path"])
             if target is not None:
@@ -63,6 +68,15 @@ class InferFastPath:
             await _send(send, result.status, result.body, OCTETS, extra)
         else:
             await _send(send, result.status, result.body, JSON, extra)
+
+
+def _closing(send: Any) -> Any:
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return wrapped
 
 
 def _error(message: str) -> bytes:

@@ -16,6 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+# Rows per forward of a batched version: 1 means batching found nothing to join.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 OUTCOMES = ("success", "client_error", "server_error")
 UNROUTED = "unrouted"
 
@@ -73,6 +75,13 @@ class RuntimeMetrics:
             ["model", "version"],
             registry=self.registry,
             multiprocess_mode="mostrecent",
+        )
+        self.batch_rows = Histogram(
+            "mnn_inference_batch_rows",
+            "Rows per forward of a version with dynamic batching (summed over the requests batched).",
+            ["model", "version"],
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
         )
         self.config_reloads = Counter(
             "mnn_config_reloads",

@@ -8,6 +8,7 @@ version); if a changed file fails to load, the version keeps serving its previou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from .router import RoutingTable
 
 log = logging.getLogger(__name__)
 
-READY, FAILED = "ready", "failed"
+READY, FAILED, PENDING = "ready", "failed", "pending"
+PENDING_REASON = "being loaded by the supervisor process; the worker that replaces this one serves it"
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,10 @@ class Snapshot:
 
     @property
     def ready(self) -> bool:
-        """Every version that should take traffic is loaded."""
-        return all(self.versions[name].ready for name, w in self.weights.items() if w > 0)
+        """Every version that should take traffic is loaded (or, in a worker, being loaded for it
+        by the supervisor: a replacement worker is moments away)."""
+        return all(self.versions[name].ready or self.versions[name].state == PENDING
+                   for name, w in self.weights.items() if w > 0)
 
 
 def _same_file(a: VersionSpec, b: VersionSpec) -> bool:
@@ -74,6 +78,7 @@ class Registry:
     def __init__(self, config: RuntimeConfig, base_dir: Path | None, metrics: RuntimeMetrics) -> None:
         self.base_dir = base_dir
         self.metrics = metrics
+        self.load_new = True  # False in the workers of `serve --workers N`: the supervisor loads
         self._apply_lock = threading.Lock()
         self.snapshot = self._build(config, {})
 
@@ -88,7 +93,15 @@ class Registry:
         for spec in config.versions:
             old = previous.get(spec.name)
             if old is not None and _same_file(old.spec, spec) and old.ready:
-                versions[spec.name] = old
+                # same file: keep the loaded model, take the rest of the spec (batching) as given
+                versions[spec.name] = dataclasses.replace(old, spec=spec) if old.state == READY else old
+            elif not self.load_new:
+                if old is not None and old.model is not None:
+                    versions[spec.name] = VersionState(old.spec, PENDING, old.model,
+                                                       f"new file {spec.uri} {PENDING_REASON}; still serving "
+                                                       f"{old.spec.uri}")
+                else:
+                    versions[spec.name] = VersionState(spec, PENDING, None, PENDING_REASON)
             else:
                 versions[spec.name] = self._load(spec, old)
         weights = config.effective_weights()

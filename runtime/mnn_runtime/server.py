@@ -6,7 +6,9 @@ worker processes forked later share the loaded weights copy-on-write.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ class Source(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def prime(self, text: str) -> None: ...
+    def follow(self, applier: ConfigApplier) -> Source: ...
 
 
 @dataclass
@@ -47,7 +50,6 @@ class Runtime:
 
     def close(self) -> None:
         self.source.stop()
-        self.dataplane.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _applier(metrics: RuntimeMetrics, registry: Registry, model: str) -> ConfigApplier:
@@ -66,7 +68,7 @@ def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApp
             log.error("version %s is not serving: %s", name, state.reason)
     source = make_source(_applier(metrics, registry, config.model))
     source.prime(text)
-    dataplane = DataPlane(registry, metrics, config.server.threads)
+    dataplane = DataPlane(registry, metrics)
     return Runtime(config, registry, metrics, dataplane, InferFastPath(create_app(dataplane, metrics), dataplane), source)
 
 
@@ -106,22 +108,78 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
 
 def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,
                   log_level: str = "info", grpc_port: int | None = None) -> int:
-    """Load once in this process, then fork ``workers`` processes sharing the weights."""
+    """Load once in this process, then fork ``workers`` processes sharing the weights. This
+    process follows the config too: a new or changed version is loaded here, once, and the workers
+    are replaced one by one (see workers.Supervisor)."""
     from .workers import Supervisor, bind, enable_multiprocess_metrics
 
     metrics_dir = enable_multiprocess_metrics()
     runtime = build()  # models loaded and warmed before the fork: shared copy-on-write
     sock = bind(host, port)
     log.info("serving on %s:%s with %d workers", host, port, workers)
-    return Supervisor(workers, sock, lambda s: serve(runtime, host, port, log_level, sock=s, grpc_port=grpc_port),
-                      metrics_dir).run()
+
+    def serve_one(s: Any, ready_fd: int) -> None:
+        runtime.registry.load_new = False  # a worker never loads: the supervisor does, once
+        serve(runtime, host, port, log_level, sock=s, grpc_port=grpc_port, ready_fd=ready_fd)
+
+    def apply(config: RuntimeConfig) -> bool:
+        """Apply in the supervisor; True when a version's model changed (the workers must be replaced)."""
+        before = {name: (v.state, id(v.model)) for name, v in runtime.registry.snapshot.versions.items()}
+        after = runtime.registry.apply(config).versions
+        return any(before.get(name) != (v.state, id(v.model)) for name, v in after.items())
+
+    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply)
+    follower = runtime.source.follow(ConfigApplier(supervisor.offer))
+    follower.start()
+    try:
+        return supervisor.run()
+    finally:
+        follower.stop()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus what a worker of ``serve --workers`` needs: it reports when it serves, and
+    SIGUSR2 retires it: it stops accepting, answers the next request on each kept-alive
+    connection with ``Connection: close`` (the client reconnects, to another worker), and shuts
+    down once those connections are gone (or after ``retire_grace`` seconds)."""
+
+    def __init__(self, config: uvicorn.Config, app: Any, ready_fd: int | None, retire_grace: float = 5.0) -> None:
+        super().__init__(config)
+        self.app = app
+        self.ready_fd = ready_fd
+        self.retire_grace = retire_grace
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if self.ready_fd is None or self.should_exit:
+            return
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, self.retire)
+        os.write(self.ready_fd, b"r")
+        os.close(self.ready_fd)
+        self.ready_fd = None
+
+    def retire(self) -> None:
+        if getattr(self.app, "draining", None) is True:
+            return
+        self.app.draining = True
+        for server in self.servers:
+            server.close()
+        asyncio.get_running_loop().create_task(self._retire())
+
+    async def _retire(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retire_grace
+        while self.server_state.connections and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        self.should_exit = True
 
 
 def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock: Any = None,
-          grpc_port: int | None = None) -> None:
+          grpc_port: int | None = None, ready_fd: int | None = None) -> None:
     """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown. With
-    ``sock`` (a worker), serve that already-bound socket. With ``grpc_port``, OIP v2 gRPC is served
-    on the same event loop (every worker binds that port: SO_REUSEPORT)."""
+    ``sock`` (a worker), serve that already-bound socket and write a byte to ``ready_fd`` once
+    serving. With ``grpc_port``, OIP v2 gRPC is served on the same event loop (every worker binds
+    that port: SO_REUSEPORT)."""
     runtime.source.start()
     config = uvicorn.Config(
         runtime.app,
@@ -131,7 +189,7 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock:
         access_log=False,
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, runtime.app, ready_fd)
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -2,9 +2,11 @@
 
 The parent loads and warms every version (one MNN thread: fork-safe), binds the listening
 socket, then forks the workers: the weights are shared copy-on-write. Each worker serves the
-shared socket with its own event loop and follows the routing config itself. The parent
-supervises: a worker that dies is replaced (the others keep serving), SIGTERM is passed on and
-every worker drains its in-flight requests before exiting.
+shared socket with its own event loop and follows the routing config itself (weights change in
+every worker at once). The parent follows the config too: when a version is added or its file
+changes, the parent loads it and replaces the workers one by one, so new weights are shared as
+well. The parent supervises: a worker that dies is replaced (the others keep serving), SIGTERM is
+passed on and every worker drains its in-flight requests before exiting.
 
 Metrics use prometheus-client's multiprocess mode: every worker writes its samples to files in
 one directory and /metrics sums them, so a scrape shows the whole pod. A dead worker's counters
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
+import queue
+import select
 import shutil
 import signal
 import socket
@@ -23,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,31 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup CPU quota (a container's
+    ``limits.cpu``, rounded up), so ``--workers auto`` in a pod follows the pod, not the node."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota(cgroup_root)
+    if quota is not None:
+        count = min(count, max(1, math.ceil(quota)))
+    return max(1, count)
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs allowed by cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
 
 
 def enable_multiprocess_metrics() -> Path:
@@ -59,34 +90,70 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    """Fork ``workers`` children running ``serve_one(sock)``; replace any that dies."""
+    """Fork ``workers`` children running ``serve_one(sock, ready_fd)``; replace any that dies.
 
-    def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket], None],
-                 metrics_dir: Path | None) -> None:
+    Each child writes one byte to ``ready_fd`` once it serves. ``offer(config)`` (from any
+    thread) hands the supervisor a new config: it applies it in this process with ``apply``, and
+    when that loaded a new or changed version, replaces the workers one at a time (a new one is
+    forked with the new weights, and once it serves, the old one is retired: SIGUSR2, it stops
+    accepting, finishes what it holds and exits), so the new weights are shared too and no
+    request is dropped.
+    """
+
+    def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
+                 metrics_dir: Path | None, apply: Callable[[Any], bool] | None = None,
+                 ready_timeout: float = 60.0) -> None:
         self.workers = workers
         self.sock = sock
         self.serve_one = serve_one
         self.metrics_dir = metrics_dir
+        self.apply = apply
+        self.ready_timeout = ready_timeout
         self.children: dict[int, int] = {}  # pid -> slot
+        self.retiring: set[int] = set()
+        self.ready: set[int] = set()
+        self._ready_fds: dict[int, int] = {}  # read end of each child's ready pipe
         self.stopping = False
         self.restarts = 0
+        self.rolls = 0
+        self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
 
-    def _spawn(self, slot: int) -> None:
+    def offer(self, config: Any) -> None:
+        """Hand a new config to the supervisor loop (thread-safe, returns at once)."""
+        self._pending.put(config)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _spawn(self, slot: int) -> int:
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker
             _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (ready_r, self._wake_r, self._wake_w, *self._ready_fds.values()):
+                os.close(fd)
             code = 0
             try:
-                self.serve_one(self.sock)
+                self.serve_one(self.sock, ready_w)
             except BaseException:  # noqa: BLE001 - a worker reports and exits, never returns to the parent loop
                 log.exception("worker %d failed", slot)
                 code = 1
             finally:
                 os._exit(code)
+        os.close(ready_w)
         self.children[pid] = slot
+        self._ready_fds[pid] = ready_r
         log.info("worker %d started (pid %d)", slot, pid)
+        return pid
 
     def _stop(self, signum: int, _frame: object) -> None:
         self.stopping = True
@@ -95,35 +162,109 @@ class Supervisor:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        self._wake()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGCHLD, lambda *_: self._wake())
         # Keep the garbage collector off the parent's objects in the workers: a collection
         # writes to every object it visits, which would copy the shared pages into each worker.
         gc.freeze()
         for slot in range(self.workers):
             self._spawn(slot)
         while self.children:
-            try:
-                pid, status = os.wait()
-            except ChildProcessError:
-                break
-            except InterruptedError:
-                continue
-            if pid not in self.children:
-                continue
-            slot = self.children.pop(pid)
-            self._mark_dead(pid)
+            self._wait(0.5)
+            self._reap()
             if not self.stopping:
-                self.restarts += 1
-                log.error("worker %d (pid %d) died with status %d; starting a new one", slot, pid, status)
-                time.sleep(0.1)
-                self._spawn(slot)
+                self._apply_pending()
         self.sock.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return 0
+
+    def _wait(self, timeout: float) -> None:
+        """Sleep until woken (a signal, a config) or a child reports ready, at most ``timeout``."""
+        fds = [self._wake_r, *self._ready_fds.values()]
+        try:
+            readable, _, _ = select.select(fds, [], [], timeout)
+        except InterruptedError:
+            return
+        by_fd = {fd: pid for pid, fd in self._ready_fds.items()}
+        for fd in readable:
+            if fd == self._wake_r:
+                os.read(fd, 4096)
+                continue
+            pid = by_fd[fd]
+            os.read(fd, 1)  # a byte: the child serves; b"" (EOF): it died first
+            os.close(fd)
+            del self._ready_fds[pid]
+            if pid in self.children:
+                self.ready.add(pid)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid not in self.children:
+                continue
+            slot = self.children.pop(pid)
+            self.ready.discard(pid)
+            fd = self._ready_fds.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+            self._mark_dead(pid)
+            if pid in self.retiring:
+                self.retiring.discard(pid)
+                log.info("worker %d (pid %d) retired", slot, pid)
+            elif not self.stopping:
+                self.restarts += 1
+                log.error("worker %d (pid %d) died with status %d; starting a new one", slot, pid, status)
+                time.sleep(0.1)
+                self._spawn(slot)
+
+    def _apply_pending(self) -> None:
+        config = None
+        while not self._pending.empty():
+            config = self._pending.get()  # only the newest matters
+        if config is None or self.apply is None:
+            return
+        try:
+            changed = self.apply(config)
+        except Exception:  # noqa: BLE001 - a bad update must never take the supervisor down
+            log.exception("the supervisor could not apply a new config; workers keep theirs")
+            return
+        if changed:
+            self._roll()
+
+    def _roll(self) -> None:
+        """Replace every worker by one forked now (sharing what was just loaded), one at a time."""
+        self.rolls += 1
+        gc.freeze()
+        for old, slot in sorted(self.children.items(), key=lambda item: item[1]):
+            if self.stopping or old in self.retiring or old not in self.children:
+                continue
+            new = self._spawn(slot)
+            deadline = time.monotonic() + self.ready_timeout
+            while new not in self.ready and time.monotonic() < deadline and not self.stopping:
+                self._wait(0.2)
+                self._reap()
+                if new not in self.children:  # it died before serving (and was replaced): follow that one
+                    new = next((p for p, s in self.children.items() if s == slot and p != old), new)
+            if new not in self.ready:
+                log.error("worker %d: its replacement (pid %d) is not serving after %.0f s; keeping pid %d",
+                          slot, new, self.ready_timeout, old)
+                continue
+            self.retiring.add(old)
+            try:
+                os.kill(old, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+        log.info("workers replaced with the new versions loaded")
 
     def _mark_dead(self, pid: int) -> None:
         if self.metrics_dir is None:

@@ -54,8 +54,6 @@ def _crd_default(path: list[str]) -> Any:
         (["progressDeadlineSeconds"], lambda s: s.progress_deadline_seconds),
         (["paused"], lambda s: s.paused),
         (["runtime", "replicas"], lambda s: s.runtime.replicas),
-        (["runtime", "workers"], lambda s: s.runtime.workers),
-        (["runtime", "threads"], lambda s: s.runtime.threads),
         (["runtime", "port"], lambda s: s.runtime.port),
         (["runtime", "maxBodyBytes"], lambda s: s.runtime.max_body_bytes),
         (["routing", "header"], lambda s: s.routing.header),

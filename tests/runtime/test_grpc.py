@@ -106,7 +106,7 @@ def small(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     config.write_text(
         "model: scorer\n"
         f"versions:\n  - {{name: v1, uri: {examples_dir / 'v1.mnn'}}}\n  - {{name: v2, uri: missing.mnn}}\n"
-        "weights: {v1: 100, v2: 0}\nstable: v1\nserver: {max_body_bytes: 4096, threads: 1}\n"
+        "weights: {v1: 100, v2: 0}\nstable: v1\nserver: {max_body_bytes: 4096}\n"
     )
     s = Served(build_runtime(config), with_rest=False)
     yield s

@@ -129,3 +129,106 @@ def test_sigterm_stops_every_worker_and_exits_zero(server: RuntimeServer) -> Non
     assert server.stop() == 0
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def _write(model_dir: Path, config: dict[str, object]) -> None:
+    tmp = model_dir / "runtime.tmp"
+    tmp.write_text(yaml.safe_dump(config))
+    tmp.replace(model_dir / "runtime.yaml")
+
+
+class Load:
+    """Keyed requests on 4 keep-alive connections until stopped; every answer and error counted."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.codes: Counter[object] = Counter()
+        self.versions: Counter[str] = Counter()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(4)]
+
+    def _run(self, n: int) -> None:
+        deadline = time.monotonic() + 60
+        with httpx.Client(base_url=self.url, timeout=10) as c:
+            i = n
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                try:
+                    r = c.post(INFER, json=BODY, headers={"X-User-Id": f"user-{i % 200}"})
+                    self.codes[r.status_code] += 1
+                    self.versions[r.headers.get("x-model-version", "")] += 1
+                except httpx.HTTPError as exc:
+                    self.codes[type(exc).__name__] += 1
+                i += 4
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def _status(url: str) -> dict[str, object]:
+    return httpx.get(url + "/v2/models/scorer/status").json()  # type: ignore[no-any-return]
+
+
+def test_a_version_added_while_serving_is_loaded_once_and_workers_are_replaced(
+        model_dir: Path, tmp_path: Path) -> None:
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    v2 = config["versions"].pop(1)
+    config["weights"] = {"v1": 100}
+    _write(model_dir, config)
+    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "hot.log", extra_args=["--workers", "2"])
+    srv.start()
+    try:
+        assert srv.proc is not None
+        before = set(children(srv.proc.pid))
+        metrics_before = value(httpx.get(srv.url + "/metrics").text, "mnn_inference_requests_total",
+                               model="scorer", version="v1", outcome="success")
+        with Load(srv.url) as load:
+            time.sleep(0.5)
+            config["versions"].append(v2)
+            config["weights"] = {"v1": 80, "v2": 20}  # weighted at once: old workers route its keys to v1
+            _write(model_dir, config)
+            deadline = time.monotonic() + 30
+            while not (before.isdisjoint(now := set(children(srv.proc.pid))) and len(now) == 2):
+                assert time.monotonic() < deadline, f"workers not replaced: {before} -> {now}\n{srv.log()}"
+                time.sleep(0.1)
+            time.sleep(1.0)
+        assert set(load.codes) == {200}, load.codes  # not one request failed during the change
+        assert load.versions["v2"] > 0
+        for _ in range(6):  # fresh connections reach either new worker: each has v2 ready
+            status = _status(srv.url)
+            assert status["versions"]["v2"]["ready"] is True  # type: ignore[index]
+        log = srv.log()
+        assert log.count("version v2 loaded") == 1, "v2 must be loaded once, by the supervisor"
+        assert "workers replaced" in log
+        metrics_after = value(httpx.get(srv.url + "/metrics").text, "mnn_inference_requests_total",
+                              model="scorer", version="v1", outcome="success")
+        assert metrics_after >= metrics_before + load.versions["v1"]  # retired workers' counts are kept
+    finally:
+        srv.stop()
+
+
+def test_a_worker_lists_a_version_the_supervisor_is_loading_as_pending(model_dir: Path) -> None:
+    from mnn_runtime.config import parse_config
+    from mnn_runtime.metrics import RuntimeMetrics
+    from mnn_runtime.registry import PENDING, Registry
+
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    only_v1 = {**config, "versions": config["versions"][:1], "weights": {"v1": 100}}
+    registry = Registry(parse_config(only_v1), model_dir, RuntimeMetrics("scorer"))
+    registry.load_new = False
+    snap = registry.apply(parse_config(config))
+    assert snap.versions["v2"].state == PENDING and snap.versions["v2"].model is None
+    assert "supervisor" in str(snap.versions["v2"].reason)
+    assert snap.ready  # a replacement worker is on its way: not a reason to leave the Service
+    assert {snap.table.route(f"k{i}") for i in range(500)} == {"v1"}  # its keys are served by stable
+    changed = {**config, "versions": [{**config["versions"][0], "uri": "v2.mnn", "sha256": None}]}
+    changed["versions"][0].pop("sha256")
+    changed["weights"] = {"v1": 100}
+    snap = registry.apply(parse_config(changed))
+    assert snap.versions["v1"].state == PENDING and snap.versions["v1"].model is not None  # old file serves

@@ -1,0 +1,125 @@
+"""Dynamic batching: concurrent requests for one version go through one ``forward``.
+
+MNN's ``forward`` holds the GIL (FACTS.md), so a thread pool buys no parallelism and costs a
+thread hop per request; forwards therefore run on the event loop itself. That makes batching
+cheap to get right: while one forward runs, new requests wait in their sockets; when it returns,
+the loop parses all of them before the next batch is cut, so even a queue delay of 0 batches the
+requests that arrived together. A positive delay holds the first request of a batch that long
+for more to join.
+
+Rules:
+- a batch holds requests whose inputs agree in everything but dimension 0 (dtype and the other
+  dimensions); others form batches of their own;
+- a request is checked before it joins, so a malformed request fails alone and never reaches a
+  batch; if a batched forward fails anyway, each of its requests runs again alone, so only the
+  one that cannot run fails;
+- a request with ``max_batch_size`` rows or more runs alone at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .config import BatchingSpec
+from .model import LoadedModel
+
+Observe = Callable[[int], None]  # rows in a forward
+
+
+@dataclass
+class _Batch:
+    rows: int = 0
+    items: list[tuple[Sequence[np.ndarray], int, asyncio.Future[list[np.ndarray]]]] = field(default_factory=list)
+    timer: asyncio.Handle | None = None
+
+
+def batching_off_reason(model: LoadedModel) -> str | None:
+    """Why this model cannot be batched (None: it can): every input and output must have a
+    dynamic dimension 0 for rows to be stacked and split again."""
+    fixed = [s.name for s in (*model.inputs, *model.outputs) if not s.shape or s.shape[0] != -1]
+    if fixed:
+        return f"tensors {fixed} have no dynamic batch dimension 0"
+    return None
+
+
+class Batcher:
+    """Collects one version's requests on one event loop and runs them as batches."""
+
+    def __init__(self, model: LoadedModel, spec: BatchingSpec, loop: asyncio.AbstractEventLoop,
+                 observe: Observe | None = None) -> None:
+        self.model = model
+        self.spec = spec
+        self.loop = loop
+        self.observe = observe
+        self._delay = spec.max_queue_delay_microseconds / 1e6
+        self._open: dict[tuple[Any, ...], _Batch] = {}
+
+    async def infer(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        rows = int(arrays[0].shape[0])
+        limit = self.spec.max_batch_size
+        if rows >= limit:
+            return self._forward(arrays, rows)
+        key = tuple((a.dtype.str, a.shape[1:]) for a in arrays)
+        batch = self._open.get(key)
+        if batch is not None and batch.rows + rows > limit:
+            self._flush(key, batch)
+            batch = None
+        if batch is None:
+            batch = self._open[key] = _Batch()
+            if self._delay > 0:
+                batch.timer = self.loop.call_later(self._delay, self._flush, key, batch)
+            else:
+                batch.timer = self.loop.call_soon(self._flush, key, batch)
+        future: asyncio.Future[list[np.ndarray]] = self.loop.create_future()
+        batch.items.append((arrays, rows, future))
+        batch.rows += rows
+        if batch.rows >= limit:
+            self._flush(key, batch)
+        return await future
+
+    def _forward(self, arrays: Sequence[np.ndarray], rows: int) -> list[np.ndarray]:
+        outputs = self.model.infer(arrays)
+        if self.observe is not None:
+            self.observe(rows)
+        return outputs
+
+    def _flush(self, key: tuple[Any, ...], batch: _Batch) -> None:
+        if self._open.get(key) is batch:
+            del self._open[key]
+        if batch.timer is not None:
+            batch.timer.cancel()
+            batch.timer = None
+        items, batch.items = batch.items, []
+        if not items:
+            return
+        if len(items) == 1:
+            self._settle(items[0])
+            return
+        try:
+            stacked = [np.concatenate([item[0][i] for item in items]) for i in range(len(items[0][0]))]
+            outputs = self._forward(stacked, batch.rows)
+            if any(out.shape[:1] != (batch.rows,) for out in outputs):
+                raise ValueError("an output does not follow the batch size")
+        except Exception:  # noqa: BLE001 - one bad request must not fail the others: run each alone
+            for item in items:
+                self._settle(item)
+            return
+        start = 0
+        for _, rows, future in items:
+            if not future.done():
+                future.set_result([out[start:start + rows] for out in outputs])
+            start += rows
+
+    def _settle(self, item: tuple[Sequence[np.ndarray], int, asyncio.Future[list[np.ndarray]]]) -> None:
+        arrays, rows, future = item
+        if future.done():  # the caller went away
+            return
+        try:
+            future.set_result(self._forward(arrays, rows))
+        except Exception as exc:  # noqa: BLE001 - delivered to the request's own caller
+            future.set_exception(exc)
