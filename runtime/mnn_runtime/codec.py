@@ -123,8 +123,10 @@ def check_against_spec(
         )
     for axis, (got, want) in enumerate(zip(arr.shape, spec.shape)):
         if want == -1:
-            if not 1 <= got <= max_batch:
-                raise BadRequest(f"{where}.shape[{axis}]: {got} is outside 1-{max_batch}")
+            if axis == 0 and not 1 <= got <= max_batch:
+                raise BadRequest(f"{where}.shape[0]: batch size {got} is outside 1-{max_batch} (server.max_batch)")
+            if got < 1:
+                raise BadRequest(f"{where}.shape[{axis}]: {got} must be at least 1")
         elif got != want:
             raise BadRequest(
                 f"{where}.shape: {list(arr.shape)} does not match input {spec.name!r} "

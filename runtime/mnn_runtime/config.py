@@ -52,12 +52,27 @@ class BatchingSpec(_Strict):
 class VersionSpec(_Strict):
     """One model version: a name and where its ``.mnn`` file is."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
     name: str = Field(description="Version name, a DNS-1123 label such as v1 or v2-int8.")
     uri: str = Field(description="A path or file:// URI of the .mnn file (relative to the config file).")
     sha256: str | None = Field(default=None, description="Expected sha256 of the file, lowercase hex.")
     batching: BatchingSpec | None = Field(
         default=None, description="Dynamic batching for this version; absent: every request runs alone."
     )
+    warmup_shapes: dict[str, list[int]] | None = Field(
+        default=None, alias="warmupShapes",
+        description="Input name -> the shape to warm the model up with at load, for models that leave "
+        "dimensions other than the batch open (an image model's height and width).",
+    )
+
+    @field_validator("warmup_shapes")
+    @classmethod
+    def _shapes_are_positive(cls, value: dict[str, list[int]] | None) -> dict[str, list[int]] | None:
+        for name, shape in (value or {}).items():
+            if not shape or any(d < 1 for d in shape):
+                raise ValueError(f"warmup shape of input {name!r} is {shape}; valid: a list of sizes >= 1")
+        return value
 
     @field_validator("name")
     @classmethod

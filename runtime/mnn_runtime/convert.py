@@ -8,9 +8,13 @@ place only when it loads: a failed conversion never replaces a good model.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
+
+
+log = logging.getLogger(__name__)
 
 
 class ConversionError(Exception):
@@ -71,4 +75,7 @@ def _check_loads(path: Path) -> None:
     try:
         LoadedModel.load(path)
     except ModelLoadError as exc:
+        if exc.needs_warmup_shapes:  # a good file: serving it needs the shape to warm up with
+            log.warning("converted; to serve it, give versions[].warmup_shapes: %s", exc.reason)
+            return
         raise ConversionError(f"converted model does not load: {exc.reason}") from None

@@ -16,29 +16,34 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .codec import TensorSpec
-from .errors import InferenceFailed
+from .errors import BadRequest, InferenceFailed
 
 # Input dtypes MNN's F.const takes correctly (float64 and int64 inputs are silently misread).
 _MNN_TO_OIP = {"float": "FP32", "int": "INT32", "uint8": "UINT8"}
 _OIP_TO_NUMPY = {"FP32": np.float32, "INT32": np.int32, "UINT8": np.uint8, "FP64": np.float64, "INT64": np.int64}
+
+# Sizes tried for open dimensions other than the batch when no warmup shape is given.
+_PROBE_SIZES = (32, 48, 64, 224)
 
 _runtime_lock = threading.Lock()
 _runtime_manager: Any = None
 
 
 class ModelLoadError(Exception):
-    """A version that cannot be served; ``reason`` says which file and why."""
+    """A version that cannot be served; ``reason`` says which file and why. ``needs_warmup_shapes``:
+    the file is fine but leaves input dimensions open that no tried size fits."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, needs_warmup_shapes: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.needs_warmup_shapes = needs_warmup_shapes
 
 
 def _mnn() -> tuple[Any, Any]:
@@ -107,12 +112,16 @@ class LoadedModel:
         self._input_formats = tuple(input_formats)
         self._free: list[Any] = []
         self._lock = threading.Lock()
+        self.warm_shapes: tuple[tuple[int, ...], ...] = ()  # the input shapes it ran on at load
 
     # -- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: Path, sha256: str | None = None) -> LoadedModel:
-        """Load, verify and warm up one ``.mnn`` file, or raise ModelLoadError with the reason."""
+    def load(cls, path: Path, sha256: str | None = None,
+             warmup_shapes: Mapping[str, Sequence[int]] | None = None) -> LoadedModel:
+        """Load, verify and warm up one ``.mnn`` file, or raise ModelLoadError with the reason.
+        ``warmup_shapes`` gives the shape to warm an input up with when the model leaves
+        dimensions other than the batch open (an image model's height and width)."""
         started = time.perf_counter()
         if not path.is_file():
             raise ModelLoadError(f"model file {str(path)!r} does not exist")
@@ -128,14 +137,16 @@ class LoadedModel:
                 module = None
             if module is not None:
                 inputs, formats = cls._read_inputs(module, path)
-                outputs, inputs = cls._probe(module, inputs, formats, path)
+                outputs, inputs, warm = cls._probe(module, inputs, formats, path, warmup_shapes or {})
         if module is None:
             said = f" (MNN: {'; '.join(printed)})" if printed else ""
             raise ModelLoadError(f"model file {str(path)!r} is not a valid MNN model{said}")
         missing = [line for line in printed if "Can't open file" in line]
         if missing:
             raise ModelLoadError(f"model {str(path)!r} needs a file that cannot be opened: {missing[0]}")
-        return cls(path, module, inputs, outputs, formats, time.perf_counter() - started, actual)
+        model = cls(path, module, inputs, outputs, formats, time.perf_counter() - started, actual)
+        model.warm_shapes = warm
+        return model
 
     @staticmethod
     def _read_inputs(module: Any, path: Path) -> tuple[list[TensorSpec], list[Any]]:
@@ -154,22 +165,76 @@ class LoadedModel:
         return specs, formats
 
     @classmethod
+    def _warm_shapes(cls, inputs: list[TensorSpec], warmup: Mapping[str, Sequence[int]], path: Path,
+                     fill: int) -> list[tuple[int, ...]]:
+        """Concrete shapes to run the model on: ``warmup`` where given, else the declared shape
+        with batch 1 and ``fill`` for every other open dimension."""
+        unknown = sorted(set(warmup) - {s.name for s in inputs})
+        if unknown:
+            raise ModelLoadError(f"warmup_shapes names {unknown}, which are not inputs of {str(path)!r}; "
+                                 f"valid: {[s.name for s in inputs]}")
+        shapes = []
+        for spec in inputs:
+            given = warmup.get(spec.name)
+            if given is None:
+                shapes.append(tuple(1 if (i == 0 and d == -1) else (fill if d == -1 else d)
+                                    for i, d in enumerate(spec.shape)))
+                continue
+            if len(given) != len(spec.shape) or any(w not in (-1, g) for w, g in zip(spec.shape[1:], given[1:])):
+                raise ModelLoadError(f"warmup_shapes.{spec.name}: {list(given)} does not fit input {spec.name!r} "
+                                     f"of shape {list(spec.shape)} (-1: any size)")
+            shapes.append(tuple(int(d) for d in given))
+        return shapes
+
+    @classmethod
     def _probe(
-        cls, module: Any, inputs: list[TensorSpec], formats: list[Any], path: Path
-    ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        cls, module: Any, inputs: list[TensorSpec], formats: list[Any], path: Path,
+        warmup: Mapping[str, Sequence[int]],
+    ) -> tuple[list[TensorSpec], list[TensorSpec], tuple[tuple[int, ...], ...]]:
         """Run the model once (this also packs its weights before any fork) and find its outputs.
 
         MNN reports a dynamic batch dimension as 1, so a second run at batch 2 tells whether
-        dimension 0 of the inputs (and which outputs) follow the batch size.
+        dimension 0 of the inputs (and which outputs) follow the batch size. Other open
+        dimensions (reported as -1) are run at the ``warmup_shapes`` given, else at a few common
+        sizes; output dimensions that follow them are reported as -1.
         """
         names = module.get_info().get("outputNames", [])
-        first = cls._run(module, [np.zeros(s.shape, _OIP_TO_NUMPY[s.datatype]) for s in inputs], formats)
+        open_dims = any(d == -1 for s in inputs for d in s.shape[1:])
+        first: list[np.ndarray] = []
+        shapes: list[tuple[int, ...]] = []
+        for fill in (_PROBE_SIZES if open_dims and not warmup else (_PROBE_SIZES[0],)):
+            shapes = cls._warm_shapes(inputs, warmup, path, fill)
+            first = cls._try_run(module, [np.zeros(s, _OIP_TO_NUMPY[i.datatype]) for s, i in zip(shapes, inputs)],
+                                 formats)
+            if first:
+                break
         if not first:
-            raise ModelLoadError(f"model {str(path)!r} produced no output on its declared input shapes")
+            hint = ""
+            if open_dims:
+                hint = (f"; its inputs leave dimensions open ({ {s.name: list(s.shape) for s in inputs} }): "
+                        "give the shape to warm up with in versions[].warmup_shapes, e.g. "
+                        f"{ {s.name: [1 if d == -1 else d for d in s.shape] for s in inputs} }")
+            raise ModelLoadError(f"model {str(path)!r} produced no output on input shapes "
+                                 f"{[list(s) for s in shapes]}{hint}", needs_warmup_shapes=bool(hint))
         outputs = [TensorSpec(n, _numpy_to_oip(a, path), tuple(a.shape)) for n, a in zip(names, first)]
-        if all(s.shape and s.shape[0] == 1 for s in inputs):
-            batch2 = [np.zeros((2, *s.shape[1:]), _OIP_TO_NUMPY[s.datatype]) for s in inputs]
-            second = cls._run(module, batch2, formats)
+        if open_dims:
+            # grow each open dimension alone: an output dimension that changes with one is open too
+            # (a size the model cannot run on at all teaches nothing and changes nothing)
+            varying: set[tuple[int, int]] = set()
+            for k, spec in enumerate(inputs):
+                for axis in (a for a, d in enumerate(spec.shape) if a > 0 and d == -1):
+                    grown = [tuple(d + 16 if (j == k and a == axis) else d for a, d in enumerate(s))
+                             for j, s in enumerate(shapes)]
+                    other = cls._try_run(
+                        module, [np.zeros(g, _OIP_TO_NUMPY[i.datatype]) for g, i in zip(grown, inputs)], formats)
+                    for o, (a, b) in enumerate(zip(first, other)):
+                        varying |= {(o, i) for i in range(1, a.ndim) if i >= b.ndim or a.shape[i] != b.shape[i]}
+            outputs = [TensorSpec(o.name, o.datatype, tuple(-1 if (n, i) in varying else d
+                                                            for i, d in enumerate(o.shape)))
+                       for n, o in enumerate(outputs)]
+        if all(s[0] == 1 for s in shapes) and all(spec.shape and spec.shape[0] in (1, -1) for spec in inputs):
+            batch2 = [np.zeros((2, *s[1:]), _OIP_TO_NUMPY[spec.datatype]) for s, spec in zip(shapes, inputs)]
+            second = cls._try_run(module, batch2, formats)
             if second and len(second) == len(first):
                 inputs = [TensorSpec(s.name, s.datatype, (-1, *s.shape[1:])) for s in inputs]
                 outputs = [
@@ -178,7 +243,14 @@ class LoadedModel:
                     else o
                     for o, b in zip(outputs, second)
                 ]
-        return outputs, inputs
+        return outputs, inputs, tuple(shapes)
+
+    @classmethod
+    def _try_run(cls, module: Any, arrays: Sequence[np.ndarray], formats: Sequence[Any]) -> list[np.ndarray]:
+        try:
+            return cls._run(module, arrays, formats)
+        except (ValueError, RuntimeError, SystemError, TypeError):
+            return []
 
     @staticmethod
     def _run(module: Any, arrays: Sequence[np.ndarray], formats: Sequence[Any]) -> list[np.ndarray]:
@@ -218,6 +290,11 @@ class LoadedModel:
         finally:
             self._release(clone)
         if len(outputs) != len(self.outputs):
+            opened = [i for i, s in enumerate(self.inputs) if any(d == -1 for d in s.shape[1:])]
+            if any(arrays[i].shape[1:] != self.warm_shapes[i][1:] for i in opened if i < len(self.warm_shapes)):
+                raise BadRequest(
+                    f"inputs: model {self.path.name!r} cannot run on input shapes "
+                    f"{[list(a.shape) for a in arrays]} (it runs on {[list(s) for s in self.warm_shapes]})")
             raise InferenceFailed(f"model {self.path.name!r} returned no output for the given inputs")
         return outputs
 

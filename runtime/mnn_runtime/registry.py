@@ -69,7 +69,7 @@ class Snapshot:
 
 
 def _same_file(a: VersionSpec, b: VersionSpec) -> bool:
-    return a.uri == b.uri and a.sha256 == b.sha256
+    return a.uri == b.uri and a.sha256 == b.sha256 and a.warmup_shapes == b.warmup_shapes
 
 
 class Registry:
@@ -121,7 +121,7 @@ class Registry:
     def _load(self, spec: VersionSpec, old: VersionState | None) -> VersionState:
         path = spec.path(self.base_dir)
         try:
-            model = LoadedModel.load(path, spec.sha256)
+            model = LoadedModel.load(path, spec.sha256, spec.warmup_shapes)
         except ModelLoadError as exc:
             if old is not None and old.ready:
                 # A bad file never replaces a good one: keep serving the previous file.

@@ -153,6 +153,8 @@ class Supervisor:
         self.children[pid] = slot
         self._ready_fds[pid] = ready_r
         log.info("worker %d started (pid %d)", slot, pid)
+        if self.stopping:  # SIGTERM came while this one was being started: it stops with the rest
+            os.kill(pid, signal.SIGTERM)
         return pid
 
     def _stop(self, signum: int, _frame: object) -> None:
