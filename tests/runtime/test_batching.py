@@ -255,3 +255,42 @@ def test_served_requests_are_batched_and_correct(model_dir: Path, start_server: 
     assert count < len(requests) - 1  # and some forwards held more than one request
     status = httpx.get(server.url + "/v2/models/scorer/status").json()["versions"]["v1"]["batching"]
     assert status == {"max_batch_size": 16, "max_queue_delay_microseconds": 2000, "active": True, "reason": None}
+
+
+class Priced(Counting):
+    """The real model, made to take ``price(rows)`` seconds per forward."""
+
+    def __init__(self, model: LoadedModel, price: Any) -> None:
+        super().__init__(model)
+        self.price = price
+
+    def infer(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        import time
+
+        time.sleep(self.price(int(arrays[0].shape[0])))
+        return super().infer(arrays)
+
+
+def _pairs(batcher: Batcher, rounds: int) -> None:
+    for r in range(rounds):
+        run_concurrently(batcher, [rows(1, 2 * r), rows(1, 2 * r + 1)])
+
+
+def test_batches_that_cost_more_than_their_requests_alone_are_run_alone(v1: LoadedModel) -> None:
+    # like MNN's converted MatMul: one row is fast, two cost five times as much
+    model = Priced(v1, lambda n: 0.002 if n == 1 else 0.010)
+    batcher, _ = make(model, max_batch_size=8)
+    run_concurrently(batcher, [rows(1, 0)])  # learns a lone row's cost
+    _pairs(batcher, 10)
+    assert model.forwards[:2] == [1, 2]  # the first pair is tried as a batch, and found slower
+    later = model.forwards[2:]
+    assert later.count(2) <= 1 and later.count(1) >= 18  # then pairs run alone (one re-check allowed)
+    assert batcher.cost[2] > 2 * batcher.cost[1]
+
+
+def test_batches_that_pay_keep_running_as_batches(v1: LoadedModel) -> None:
+    model = Priced(v1, lambda n: 0.002 if n == 1 else 0.0025)
+    batcher, _ = make(model, max_batch_size=8)
+    run_concurrently(batcher, [rows(1, 0)])
+    _pairs(batcher, 10)
+    assert model.forwards[1:] == [2] * 10
