@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from mnn_runtime.config import RuntimeConfig, dump_config
 from mnn_runtime.config_source import CONFIG_KEY
 
-from .spec import DEFAULT_IMAGE, ModelDeploymentSpec
+from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, cpu_quantity
 
 GROUP = "mnnrollout.io"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
@@ -112,6 +113,20 @@ def render_configmap(target: Target, config: RuntimeConfig) -> dict[str, Any]:
     })
 
 
+def workers_arg(workers: int | None, resources: Mapping[str, Any]) -> str:
+    """``--workers`` for the runtime: as given, else one per CPU the container may use: its CPU
+    limit, else its CPU request (rounded up, 1-64); ``auto`` (the runtime counts) without either.
+    A pod without a CPU limit sees every core of its node, so the runtime's own count would be
+    too many."""
+    if workers is not None:
+        return str(workers)
+    for kind in ("limits", "requests"):
+        cpu = (resources.get(kind) or {}).get("cpu")
+        if cpu is not None:
+            return str(min(64, max(1, math.ceil(cpu_quantity(cpu)))))
+    return "auto"
+
+
 def render_deployment(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
                       default_image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     rt = spec.runtime
@@ -128,7 +143,7 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "image": rt.image or default_image,
         "command": ["mnn-rollout"],
         "args": ["serve", "--configmap", f"$(POD_NAMESPACE)/{target.routing}", "--host", "0.0.0.0",
-                 "--port", str(rt.port), "--workers", "auto" if rt.workers is None else str(rt.workers)],
+                 "--port", str(rt.port), "--workers", workers_arg(rt.workers, rt.resources or DEFAULT_RESOURCES)],
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

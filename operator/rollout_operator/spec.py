@@ -31,6 +31,18 @@ def parse_duration(text: str) -> float:
     return sum(float(n) * _UNIT[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
 
 
+def cpu_quantity(value: Any) -> float:
+    """A Kubernetes CPU quantity ("2", "1.5", "500m", 2) in CPUs; ValueError naming the value."""
+    text = str(value).strip()
+    try:
+        cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        cpus = -1.0
+    if not cpus > 0:
+        raise ValueError(f"{value!r} is not a CPU quantity; valid: e.g. 2, 1.5, 500m")
+    return cpus
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -138,6 +150,18 @@ class RuntimeSpec(_Model):
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
     pod_annotations: dict[str, str] = Field(default_factory=dict, alias="podAnnotations")
     pod_labels: dict[str, str] = Field(default_factory=dict, alias="podLabels")
+
+    @field_validator("resources")
+    @classmethod
+    def _cpu_quantities(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for kind in ("limits", "requests"):
+            section = value.get(kind)
+            if isinstance(section, dict) and "cpu" in section:
+                try:
+                    cpu_quantity(section["cpu"])
+                except ValueError as exc:
+                    raise ValueError(f"{kind}.cpu: {exc}") from None
+        return value
 
 
 class ModelDeploymentSpec(_Model):

@@ -65,3 +65,31 @@ def test_the_runtime_may_read_only_its_own_configmap() -> None:
     role = render({"v1": 100})["Role"]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["scorer-routing"],
                               "verbs": ["get", "list", "watch"]}]
+
+
+def test_workers_follow_the_containers_cpu_unless_given() -> None:
+    def args(runtime: dict[str, Any]) -> list[str]:
+        spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}], "runtime": runtime})
+        config = children.runtime_config(spec, "scorer", {"v1": 100}, "v1", ["v1"])
+        dep = next(o for o in children.render_all(TARGET, spec, config) if o["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+    def workers(runtime: dict[str, Any]) -> str:
+        a = args(runtime)
+        return a[a.index("--workers") + 1]
+
+    assert workers({}) == "1"  # the default resources request 250m and set no CPU limit
+    assert workers({"workers": 3}) == "3"
+    assert workers({"resources": {"limits": {"cpu": "2"}, "requests": {"cpu": "500m"}}}) == "2"
+    assert workers({"resources": {"requests": {"cpu": "1500m"}}}) == "2"
+    assert workers({"resources": {"requests": {"cpu": 4}}}) == "4"
+    assert workers({"resources": {"limits": {"memory": "1Gi"}}}) == "auto"  # no CPU at all: the runtime counts
+
+
+def test_a_bad_cpu_quantity_is_refused_naming_the_field() -> None:
+    import pytest
+
+    from rollout_operator.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"spec.runtime.resources: .*limits.cpu: 'two' is not a CPU quantity"):
+        parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}], "runtime": {"resources": {"limits": {"cpu": "two"}}}})
