@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps demo test bench lint clean
+.PHONY: install system-deps bench-deps demo test bench lint clean
 
 install: $(STAMP)
 
@@ -30,10 +30,21 @@ test: install system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS) --ignore=tests/runtime/test_grpc.py
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/runtime/test_grpc.py
 
-bench: install system-deps
+# Benchmarks: wrk (Debian) drives HTTP load; the bench extra holds the PP-OCR models and
+# onnxruntime; bench/peers.py builds MLServer's own virtualenv in .bench-venv/ on first use.
+bench-deps: install
+	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends wrk; }
+	$(BIN)/python -m pip install --quiet -e ".[test,dev,bench]"
+
+bench: bench-deps system-deps
 	$(BIN)/python bench/runtime_overhead.py
+	$(BIN)/python bench/throughput.py --seconds 3
+	$(BIN)/python bench/batching.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/hot_add.py
+	$(BIN)/python bench/ppocr.py
 	$(BIN)/python bench/weight_propagation.py
 	$(BIN)/python bench/rollback_latency.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .bench-venv build *.egg-info

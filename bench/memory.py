@@ -13,6 +13,7 @@ Target: each extra worker adds at most 10% of the weights' size.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +24,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from peers import pss_kb, start_mlserver, stop, tree  # noqa: E402
 
 from mnn_runtime.examples import build_examples  # noqa: E402
 from tests.runtime_server import RuntimeServer  # noqa: E402
@@ -30,27 +34,21 @@ from tests.runtime_server import RuntimeServer  # noqa: E402
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
 
 
-def pss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return 0
-
-
-def tree(pid: int) -> list[int]:
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [pid] + [p for k in kids for p in tree(int(k))]
-
-
 def warm(url: str, n: int = 400) -> None:
     # fresh connections spread over the workers; both versions run
     for i in range(n):
-        httpx.post(f"{url}/v2/models/large/versions/{'a' if i % 2 else 'b'}/infer", json=BODY, timeout=30)
+        r = httpx.post(f"{url}/v2/models/large/versions/{'a' if i % 2 else 'b'}/infer", json=BODY, timeout=30)
+        r.raise_for_status()
 
 
-def measure(servers: list[RuntimeServer]) -> int:
+def measure(pids: list[int]) -> int:
+    """Total PSS in kB over these processes and their descendants."""
     time.sleep(1)
-    return sum(pss_kb(p) for s in servers for p in tree(s.proc.pid))  # type: ignore[union-attr]
+    return sum(pss_kb(p) for pid in pids for p in tree(pid))
+
+
+def pids(servers: list[RuntimeServer]) -> list[int]:
+    return [s.proc.pid for s in servers if s.proc is not None]
 
 
 def main() -> None:
@@ -71,7 +69,7 @@ def main() -> None:
             shared.start(timeout=120)
             try:
                 warm(shared.url)
-                ours = measure([shared])
+                ours = measure(pids([shared]))
             finally:
                 shared.stop()
             copies = [RuntimeServer(config, root / f"copy-{n}-{i}.log") for i in range(n)]
@@ -79,22 +77,37 @@ def main() -> None:
                 for s in copies:
                     s.start(timeout=120)
                     warm(s.url, 200)
-                theirs = measure(copies)
+                theirs = measure(pids(copies))
             finally:
                 for s in copies:
                     s.stop()
-            rows.append((n, ours / 1024, theirs / 1024))
-            print(f"  {n} workers: shared {ours / 1024:.0f} MB, a copy per worker {theirs / 1024:.0f} MB", flush=True)
+            pw = 0 if n == 1 else n
+            proc: subprocess.Popen[bytes] | None = None
+            try:
+                proc, url = start_mlserver(root / "large.mnn", pw, root / f"mlserver-{n}.log", name="large",
+                                           versions=("a", "b"), timeout=240)
+                warm(url)
+                mls = measure([proc.pid])
+                procs = len(tree(proc.pid))
+            finally:
+                if proc is not None:
+                    stop(proc)
+            rows.append((n, ours / 1024, theirs / 1024, mls / 1024))
+            print(f"  {n} workers: shared {ours / 1024:.0f} MB, a copy per worker {theirs / 1024:.0f} MB, "
+                  f"MLServer parallel_workers={pw} {mls / 1024:.0f} MB ({procs} processes)", flush=True)
     base = rows[0][1]
     print(f"\nweights: 2 versions x {weights_mb / 2:.0f} MB = {weights_mb:.0f} MB")
     print(f"{'workers':>7} {'shared PSS MB':>14} {'copy/worker PSS MB':>19} {'copy / shared':>14} "
-          f"{'per extra worker':>17} {'target':>8}")
-    for n, ours, theirs in rows:
-        extra = (ours - base) / (n - 1) if n > 1 else 0.0
+          f"{'MLServer PSS MB':>16} {'MLServer / shared':>18} {'per extra worker':>17} {'target':>8}")
+    for n, shared_mb, copies_mb, mls_mb in rows:
+        extra = (shared_mb - base) / (n - 1) if n > 1 else 0.0
         share = extra / weights_mb * 100
         verdict = "" if n == 1 else ("ok" if share <= 10 else "MISSED")
-        print(f"{n:>7} {ours:>14.0f} {theirs:>19.0f} {theirs / ours:>13.2f}x {extra:>9.1f} MB {share:>4.1f}% "
-              f"{'<=10% ' + verdict if n > 1 else '':>8}")
+        print(f"{n:>7} {shared_mb:>14.0f} {copies_mb:>19.0f} {copies_mb / shared_mb:>13.2f}x {mls_mb:>16.0f} "
+              f"{mls_mb / shared_mb:>17.2f}x "
+              f"{extra:>9.1f} MB {share:>4.1f}% {'<=10% ' + verdict if n > 1 else '':>8}")
+    print("MLServer: parallel_workers=0 (in the server process) for 1 worker, parallel_workers=N otherwise "
+          "(a front-end process plus N inference workers, each loading both versions)")
 
 
 if __name__ == "__main__":

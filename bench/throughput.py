@@ -1,11 +1,25 @@
-"""Requests/s and p99 of the runtime against the raw MNN loop and a plain FastAPI + pydantic app.
+"""Requests/s and p99 of mnn-rollout against MLServer, a plain FastAPI + pydantic app and raw MNN.
 
-All in one run, one load generator (bench/loadgen.py, another process on the same 2 cores),
-the example scorer, batch 1, closed loop at concurrency 1, 8 and 32: mnn-rollout JSON and binary
-bodies with 1 and N workers; the plain FastAPI app with the same worker counts (one model copy
-per worker, as FACTS.md measured it). MLServer is not run here (it needs its own environment).
+All in one run, the example scorer (v1), batch 1, closed loops at concurrency 1, 8 and 32 from a
+load generator in another process on the same 2 cores:
 
-    .venv/bin/python bench/throughput.py [--seconds 4] [--workers 2]
+- raw MNN: the in-process forward loop (the limit);
+- mnn-rollout (`serve --grpc-port`): JSON and binary-extension bodies (wrk) and gRPC (a grpc.aio
+  client process, one channel per caller), 1 and N workers;
+- MLServer 1.7.1 with a minimal MNN runtime (bench/peers.py creates its virtualenv on first use),
+  parallel_workers 0 (in-process) and N; JSON (wrk);
+- the plain FastAPI + pydantic app, 1 and N uvicorn workers; JSON (wrk).
+
+HTTP rows use wrk (one thread, c connections, X-User-Id rotated over 1,000 keys); every row's
+non-2xx responses, socket errors and failed RPCs are counted, and a row with any is flagged. The
+server's CPU (its whole process tree) and the generator's are printed beside each row. Then the
+issue's targets at c=32, as ratios.
+
+    .venv/bin/python bench/throughput.py [--seconds 3] [--workers N] [--rounds 3]
+
+``--rounds R`` (default 3) measures c=32 R times per server and keeps the round with the median
+requests/s (rounds of a few seconds differed by up to ~25%). ``--seconds`` is rounded to whole
+seconds for wrk.
 """
 
 from __future__ import annotations
@@ -13,24 +27,56 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import run_load  # noqa: E402
+from loadgen import Measured, grpc_requests, run_grpc, run_wrk  # noqa: E402
+from peers import cpu_by_process, machine_busy_seconds, start_fastapi, start_mlserver, stop  # noqa: E402
 from runtime_overhead import raw_loop  # noqa: E402
 
 from mnn_runtime.examples import FEATURES, build_examples  # noqa: E402
 from tests.runtime_server import RuntimeServer, free_port  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+KEYS = [f"user-{i}" for i in range(1000)]
+INFER = "/v2/models/scorer/infer"
+OTHER_LOAD = 0.25  # cores used by other processes during a run above which the run is called noisy
+
+
+@dataclass
+class Row:
+    server: str  # "mnn-rollout", "MLServer", ...
+    protocol: str  # "JSON", "binary", "gRPC", "in process"
+    workers: str  # "1", "2", "pw=0", ...
+    res: Measured
+    server_cpu: float  # server CPU seconds per second of the run (its whole process tree)
+    other_cpu: float = float("nan")  # the rest of the machine's busy CPU meanwhile (other processes)
+    busiest_cpu: float = float("nan")  # of the server's processes, the busiest one's cores
+
+    @property
+    def config(self) -> str:
+        if self.workers.startswith("pw="):
+            return f"parallel_workers={self.workers[3:]}"
+        return f"{self.workers} worker{'s' if self.workers != '1' else ''}"
+
+    @property
+    def name(self) -> str:
+        if self.protocol == "in process":
+            return f"{self.server}, in process"
+        return f"{self.server} {self.protocol}, {self.config}"
 
 
 def json_bodies(n: int = 64) -> list[bytes]:
@@ -47,88 +93,197 @@ def binary_bodies(n: int = 64) -> tuple[list[bytes], int]:
     return [head + rng.random(FEATURES, dtype=np.float32).tobytes() for _ in range(n)], len(head)
 
 
-def start_fastapi(model: Path, workers: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = dict(os.environ, MODEL=str(model), PYTHONPATH=str(ROOT / "bench"))
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "baselines.plain_fastapi:app", "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", str(workers), "--log-level", "warning"],
-                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/docs", timeout=1).status_code == 200:
-                time.sleep(1.0 if workers > 1 else 0.2)
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("plain FastAPI app did not start")
+def grpc_bodies(n: int = 64) -> list[bytes]:
+    rng = np.random.default_rng(1)
+    return grpc_requests("scorer", [rng.random(FEATURES, dtype=np.float32).tobytes() for _ in range(n)], [1, FEATURES])
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and its finished children (wrk, the gRPC client process)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def sweep(pid: int, load: Callable[[int], Measured], rounds: int) -> list[tuple[Measured, float, float, float]]:
+    """Each concurrency once, except c=32 (where the targets are judged): ``rounds`` times, keeping
+    the round with the median req/s. Returns per concurrency (result, server cores, cores used by
+    other processes, the busiest server process's cores)."""
+    load(8)  # warm-up (connections, lazy imports, packed weights), not counted
+    out = []
+    for c in CONCURRENCY:
+        runs = []
+        for _ in range(rounds if c == max(CONCURRENCY) else 1):
+            t0, procs0, busy0, own0 = time.perf_counter(), cpu_by_process(pid), machine_busy_seconds(), own_cpu()
+            res = load(c)
+            wall, procs = time.perf_counter() - t0, cpu_by_process(pid)
+            used = {p: procs[p] - procs0.get(p, 0.0) for p in procs}
+            server = sum(used.values())
+            # own: this process and the generator (its start-up included)
+            other = (machine_busy_seconds() - busy0 - server - (own_cpu() - own0)) / wall
+            runs.append((res, server / res.seconds, other, max(used.values(), default=0.0) / res.seconds))
+            flag = f"  ERRORS: {res.detail}" if not res.ok else ""
+            busy_note = f"  (other processes used {other:.2f} cores)" if other > OTHER_LOAD else ""
+            print(f"    c={c:<3} {res.rps:>9.0f} req/s  p99 {res.p99:7.2f} ms{flag}{busy_note}", flush=True)
+        runs.sort(key=lambda r: r[0].rps)
+        out.append(runs[len(runs) // 2])
+    return out
+
+
+def bench_ours(root: Path, workers: int, args: argparse.Namespace, rows: list[Row]) -> None:
+    grpc_port = free_port()
+    srv = RuntimeServer(root / "runtime.yaml", root / f"ours-{workers}.log",
+                        extra_args=["--workers", str(workers), "--log-level", "warning", "--grpc-port", str(grpc_port)])
+    srv.start()
+    try:
+        assert srv.proc is not None
+        if workers > 1:
+            time.sleep(1.0)  # the first worker answers ready while the others may still start
+        url = srv.url + INFER
+        jb, (bb, head_len), gb = json_bodies(), binary_bodies(), grpc_bodies()
+        loads: dict[str, Callable[[int], Measured]] = {
+            "JSON": lambda c: run_wrk(url, jb, c, args.seconds, keys=KEYS),
+            "binary": lambda c: run_wrk(url, bb, c, args.seconds, keys=KEYS,
+                                        headers={"Inference-Header-Content-Length": str(head_len)}),
+            "gRPC": lambda c: run_grpc(f"127.0.0.1:{grpc_port}", gb, c, args.seconds, keys=KEYS),
+        }
+        for protocol, load in loads.items():
+            print(f"  {Row('mnn-rollout', protocol, str(workers), Measured('', 0, 0, 0, 0, 0, 0), 0).name}", flush=True)
+            for res, cpu, other, busiest in sweep(srv.proc.pid, load, args.rounds):
+                rows.append(Row("mnn-rollout", protocol, str(workers), res, cpu, other, busiest))
+        if not srv.alive():
+            raise RuntimeError(f"mnn-rollout serve exited during the run:\n{srv.log()}")
+    finally:
+        srv.stop()
+
+
+def bench_peer(name: str, label: str, start: Callable[[], tuple[subprocess.Popen[bytes], str]],
+               args: argparse.Namespace, rows: list[Row]) -> None:
+    print(f"  {Row(name, 'JSON', label, Measured('', 0, 0, 0, 0, 0, 0), 0).name}", flush=True)
+    proc, url = start()
+    try:
+        jb = json_bodies()
+        for res, cpu, other, busiest in sweep(proc.pid, lambda c: run_wrk(url + INFER, jb, c, args.seconds, keys=KEYS),
+                                              args.rounds):
+            rows.append(Row(name, "JSON", label, res, cpu, other, busiest))
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} ({label}) exited during the run with {proc.returncode}")
+    finally:
+        stop(proc)
+
+
+def find(rows: list[Row], server: str, protocol: str, workers: str, c: int = 32) -> Row | None:
+    for r in rows:
+        if (r.server, r.protocol, r.workers, r.res.concurrency) == (server, protocol, workers, c):
+            return r
+    return None
+
+
+def verdict(ratio: float, target: float, *rows: Row | None) -> str:
+    if any(r is None or not r.res.ok for r in rows):
+        return "not judged: a row has errors"
+    return "met" if ratio >= target else "MISSED"
+
+
+def p99_verdict(ours: Row, other: Row) -> str:
+    met = "no higher: met" if ours.res.p99 <= other.res.p99 else "higher: MISSED"
+    return f"p99 {ours.res.p99:.1f} ms vs {other.res.p99:.1f} ms ({met})"
+
+
+def report(rows: list[Row], n: int, failures: list[str]) -> None:
+    def cores(v: float) -> str:
+        return f"{v:8.2f}" if v == v else f"{'':>8}"
+
+    print(f"\n{'server':<42} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'srv CPU':>8} {'busiest':>8} "
+          f"{'gen CPU':>8} {'other':>8}  errors")
+    for r in rows:
+        errors = "-" if r.res.ok else f"FLAGGED {r.res.errors} ({r.res.detail})"
+        print(f"{r.name:<42} {r.res.concurrency:>4} {r.res.rps:>9.0f} {r.res.p50:>8.2f} {r.res.p99:>8.2f} "
+              f"{cores(r.server_cpu)} {cores(r.busiest_cpu)} {cores(r.res.client_cpu)} {cores(r.other_cpu)}  {errors}")
+    print("\n(cores used during the run: srv CPU by the server's process tree, busiest by its busiest process, "
+          "gen CPU by the load generator, other by everything else)")
+    noisy = [r for r in rows if r.other_cpu > OTHER_LOAD]
+    if noisy:
+        print(f"WARNING: other processes used > {OTHER_LOAD} cores during {len(noisy)} row(s) "
+              f"(max {max(r.other_cpu for r in noisy):.2f}): the machine was not quiet; rerun for figures to quote")
+
+    print(f"\ntargets at concurrency 32 (N = {n}):")
+    ours_json = [x for w in ("1", str(n)) if (x := find(rows, "mnn-rollout", "JSON", w))]
+    mls = [x for w in ("pw=0", f"pw={n}") if (x := find(rows, "MLServer", "JSON", w))]
+    if ours_json and mls:
+        best, theirs = max(ours_json, key=lambda r: r.res.rps), max(mls, key=lambda r: r.res.rps)
+        ratio = best.res.rps / theirs.res.rps
+        print(f"  mnn-rollout JSON best ({best.config}) / MLServer best ({theirs.config}): {ratio:.2f}x "
+              f"(target >= 4x: {verdict(ratio, 4, best, theirs)}); {p99_verdict(best, theirs)}")
+        for each in ours_json:
+            print(f"    {each.name} / MLServer best: {each.res.rps / theirs.res.rps:.2f}x; {p99_verdict(each, theirs)}")
+    for w in ("1", str(n)) if n > 1 else ("1",):
+        mine, plain = find(rows, "mnn-rollout", "JSON", w), find(rows, "plain FastAPI + pydantic", "JSON", w)
+        if mine and plain:
+            ratio = mine.res.rps / plain.res.rps
+            print(f"  mnn-rollout JSON / plain FastAPI, {w} worker{'s' if w != '1' else ''} each: {ratio:.2f}x "
+                  f"(target >= 2x: {verdict(ratio, 2, mine, plain)}); {p99_verdict(mine, plain)}")
+    if n > 1:
+        for protocol in ("JSON", "binary", "gRPC"):
+            one, many = find(rows, "mnn-rollout", protocol, "1"), find(rows, "mnn-rollout", protocol, str(n))
+            if one and many:
+                ratio = many.res.rps / one.res.rps
+                used = many.server_cpu + many.res.client_cpu
+                note = (f"; server + generator used {used:.2f} of {os.cpu_count()} cores"
+                        if used > 0.9 * (os.cpu_count() or 2) else "")
+                if many.busiest_cpu > 0.8 * many.server_cpu:
+                    note += f"; one worker did {many.busiest_cpu / many.server_cpu:.0%} of the server's work"
+                print(f"  mnn-rollout {protocol}, {n} workers / 1 worker: {ratio:.2f}x "
+                      f"(target >= 1.7x: {verdict(ratio, 1.7, one, many)}){note}")
+    flagged = [r for r in rows if not r.res.ok]
+    if flagged:
+        print(f"\n{len(flagged)} row(s) had errors: " + "; ".join(f"{r.name} c={r.res.concurrency}: {r.res.detail}"
+                                                            for r in flagged))
+    for failure in failures:
+        print(f"\nFAILED, no rows: {failure}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds at c=32 (median kept)")
+    parser.add_argument("--only", default="raw,ours,mlserver,fastapi", help="comma-separated subset (development)")
     args = parser.parse_args()
-    rows: list[tuple[str, int, float, float]] = []
+    only = set(args.only.split(","))
+    n = args.workers
+    counts = sorted({1, n})
+    started = time.monotonic()
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         build_examples(root)
-        rps, _, p99 = raw_loop(root / "v1.mnn", args.seconds)
-        rows.append(("raw MNN forward loop, in process", 1, rps, p99))
-        jb = json_bodies()
-        bb, head_len = binary_bodies()
-        for workers in sorted({1, args.workers}):
-            srv = RuntimeServer(root / "runtime.yaml", root / f"ours-{workers}.log",
-                                extra_args=["--workers", str(workers), "--log-level", "warning"])
-            srv.start()
-            try:
-                url = srv.url + "/v2/models/scorer/infer"
-                run_load(url, jb, 8, 1.0)
-                for c in (1, 8, 32):
-                    res = run_load(url, jb, c, args.seconds, keys=[f"u{i}" for i in range(1000)])
-                    rows.append((f"mnn-rollout JSON, {workers} worker(s)", c, res.rps, res.pct(99)))
-                for c in (1, 8, 32):
-                    res = run_binary(url, bb, head_len, c, args.seconds)
-                    rows.append((f"mnn-rollout binary, {workers} worker(s)", c, res.rps, res.pct(99)))
-            finally:
-                srv.stop()
-            proc, url = start_fastapi(root / "v1.mnn", workers, root / f"fastapi-{workers}.log")
-            try:
-                run_load(url + "/v2/models/scorer/infer", jb, 8, 1.0)
-                for c in (1, 8, 32):
-                    res = run_load(url + "/v2/models/scorer/infer", jb, c, args.seconds)
-                    rows.append((f"plain FastAPI + pydantic, {workers} worker(s)", c, res.rps, res.pct(99)))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=20)
-    print(f"\n{'server':<44} {'conc':>4} {'req/s':>9} {'p99 ms':>8}")
-    for name, c, rps, p99 in rows:
-        print(f"{name:<44} {c:>4} {rps:>9.0f} {p99:>8.2f}")
-    table = {(n, c): r for n, c, r, _ in rows}
-    w = args.workers
-    print("\nratios at concurrency 32:")
-    for workers in sorted({1, w}):
-        ours = table[(f"mnn-rollout JSON, {workers} worker(s)", 32)]
-        plain = table[(f"plain FastAPI + pydantic, {workers} worker(s)", 32)]
-        print(f"  mnn-rollout JSON / plain FastAPI, {workers} worker(s): {ours / plain:.2f}x (target >= 2x)")
-    if w > 1:
-        one, many = table[("mnn-rollout JSON, 1 worker(s)", 32)], table[(f"mnn-rollout JSON, {w} worker(s)", 32)]
-        print(f"  mnn-rollout {w} workers / 1 worker: {many / one:.2f}x (target >= 1.7x)")
-
-
-def run_binary(url: str, bodies: list[bytes], head_len: int, c: int, seconds: float):  # type: ignore[no-untyped-def]
-    import asyncio
-
-    from loadgen import _run, build_request
-
-    reqs = []
-    for i, body in enumerate(bodies):
-        host, port, raw = build_request(url, body, {"Inference-Header-Content-Length": str(head_len),
-                                                     "X-User-Id": f"u{i}"})
-        reqs.append(raw)
-    return asyncio.run(_run(host, port, reqs, c, seconds, 2_000_000))
+        model = root / "v1.mnn"
+        if "raw" in only:
+            cpu, busy = time.process_time(), machine_busy_seconds()
+            rps, p50, p99 = raw_loop(model, args.seconds)
+            cpu, busy = (time.process_time() - cpu) / args.seconds, (machine_busy_seconds() - busy) / args.seconds
+            rows.append(Row("raw MNN forward loop", "in process", "1",
+                            Measured("none", 1, args.seconds, int(rps * args.seconds), rps, p50, p99), cpu, busy - cpu))
+            print(f"  raw MNN forward loop: {rps:.0f} calls/s", flush=True)
+        failures: list[str] = []
+        for w in counts:
+            pw = 0 if w == 1 else w
+            runs: list[tuple[str, Callable[[], None]]] = [
+                ("ours", partial(bench_ours, root, w, args, rows)),
+                ("mlserver", partial(bench_peer, "MLServer", f"pw={pw}",
+                                     partial(start_mlserver, model, pw, root / f"mlserver-{pw}.log"), args, rows)),
+                ("fastapi", partial(bench_peer, "plain FastAPI + pydantic", str(w),
+                                    partial(start_fastapi, model, w, root / f"fastapi-{w}.log"), args, rows)),
+            ]
+            for key, run in runs:
+                if key in only:
+                    try:
+                        run()
+                    except (RuntimeError, subprocess.SubprocessError) as exc:  # a server that died or never started
+                        failures.append(f"{key}, {w} worker(s): {exc}")
+                        print(f"    FAILED: {exc}", flush=True)
+    report(rows, n, failures)
+    print(f"\nwhole run: {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

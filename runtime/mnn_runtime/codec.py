@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +102,7 @@ def to_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np
             arr = raw.astype(dtype, copy=False)
     except (ValueError, TypeError, OverflowError) as exc:
         raise BadRequest(f"{where}.data: cannot be read as {datatype}: {exc}") from None
-    expected = int(np.prod(shape, dtype=np.int64))
+    expected = math.prod(shape)
     if arr.size != expected:
         raise BadRequest(f"{where}.data: has {arr.size} elements but shape {list(shape)} needs {expected}")
     return arr.reshape(shape)

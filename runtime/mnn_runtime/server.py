@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,9 +119,9 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     sock = bind(host, port)
     log.info("serving on %s:%s with %d workers", host, port, workers)
 
-    def serve_one(s: Any, ready_fd: int) -> None:
+    def serve_one(channel: Any, ready_fd: int) -> None:
         runtime.registry.load_new = False  # a worker never loads: the supervisor does, once
-        serve(runtime, host, port, log_level, sock=s, grpc_port=grpc_port, ready_fd=ready_fd)
+        serve(runtime, host, port, log_level, channel=channel, grpc_port=grpc_port, ready_fd=ready_fd)
 
     def apply(config: RuntimeConfig) -> bool:
         """Apply in the supervisor; True when a version's model changed (the workers must be replaced)."""
@@ -138,33 +139,69 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus what a worker of ``serve --workers`` needs: it reports when it serves, and
-    SIGUSR2 retires it: it stops accepting, answers the next request on each kept-alive
-    connection with ``Connection: close`` (the client reconnects, to another worker), and shuts
-    down once those connections are gone (or after ``retire_grace`` seconds)."""
+    """uvicorn, plus what a worker of ``serve --workers`` needs: connections arrive as file
+    descriptors over ``channel`` from the supervisor (which accepts them and deals them out, so
+    every worker gets its share); it reports when it serves; and SIGUSR2 retires it: it takes no
+    more connections, answers the next request on each kept-alive one with ``Connection: close``
+    (the client reconnects, to another worker) and shuts down once they are gone (or after
+    ``retire_grace`` seconds)."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, ready_fd: int | None, retire_grace: float = 5.0) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, channel: socket.socket | None, ready_fd: int | None,
+                 retire_grace: float = 5.0) -> None:
         super().__init__(config)
         self.app = app
+        self.channel = channel
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
-        await super().startup(sockets)
-        if self.ready_fd is None or self.should_exit:
+        await super().startup([] if self.channel is not None else sockets)
+        if self.should_exit:
             return
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, self.retire)
-        os.write(self.ready_fd, b"r")
-        os.close(self.ready_fd)
-        self.ready_fd = None
+        loop = asyncio.get_running_loop()
+        if self.channel is not None:
+            self.channel.setblocking(False)
+            loop.add_reader(self.channel.fileno(), self._receive)
+        if self.ready_fd is not None:
+            loop.add_signal_handler(signal.SIGUSR2, self.retire)
+            os.write(self.ready_fd, b"r")
+            os.close(self.ready_fd)
+            self.ready_fd = None
+
+    def _protocol(self) -> asyncio.Protocol:
+        return self.config.http_protocol_class(  # type: ignore[call-arg]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state)
+
+    def _receive(self) -> None:
+        """Take the connections the supervisor sent and serve each like an accepted one."""
+        assert self.channel is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                _, fds, _, _ = socket.recv_fds(self.channel, 16, 64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                fds = []
+            if not fds:  # the supervisor is gone (or closed the channel): nothing more will come
+                loop.remove_reader(self.channel.fileno())
+                return
+            for fd in fds:
+                conn = socket.socket(fileno=fd)
+                conn.setblocking(False)
+                task = loop.create_task(loop.connect_accepted_socket(self._protocol, conn))
+                task.add_done_callback(_drop_failed_connection)
 
     def retire(self) -> None:
         if getattr(self.app, "draining", None) is True:
             return
         self.app.draining = True
+        loop = asyncio.get_running_loop()
+        if self.channel is not None:
+            loop.remove_reader(self.channel.fileno())
         for server in self.servers:
             server.close()
-        asyncio.get_running_loop().create_task(self._retire())
+        loop.create_task(self._retire())
 
     async def _retire(self) -> None:
         loop = asyncio.get_running_loop()
@@ -174,12 +211,17 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock: Any = None,
+def _drop_failed_connection(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a handed-over connection could not be served: %s", task.exception())
+
+
+def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", channel: socket.socket | None = None,
           grpc_port: int | None = None, ready_fd: int | None = None) -> None:
     """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown. With
-    ``sock`` (a worker), serve that already-bound socket and write a byte to ``ready_fd`` once
-    serving. With ``grpc_port``, OIP v2 gRPC is served on the same event loop (every worker binds
-    that port: SO_REUSEPORT)."""
+    ``channel`` (a worker), serve the connections the supervisor sends over it and write a byte
+    to ``ready_fd`` once serving. With ``grpc_port``, OIP v2 gRPC is served on the same event loop
+    (every worker binds that port: SO_REUSEPORT)."""
     runtime.source.start()
     config = uvicorn.Config(
         runtime.app,
@@ -189,19 +231,16 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", sock:
         access_log=False,
         timeout_graceful_shutdown=10,
     )
-    server = _Server(config, runtime.app, ready_fd)
+    server = _Server(config, runtime.app, channel, ready_fd)
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        # A worker serves the parent's socket as a socket object: uvicorn's `fd=` would wrap it as
-        # AF_UNIX and lose TCP_NODELAY (40 ms per keep-alive request).
-        sockets = [sock] if sock is not None else None
         if grpc_port is None:
-            server.run(sockets=sockets)
+            server.run()
         else:
             from .grpc_server import run_with_uvicorn  # gRPC starts in the worker, after the fork
 
-            run_with_uvicorn(server, runtime.dataplane, host, grpc_port, sockets, reuse_port=sock is not None)
+            run_with_uvicorn(server, runtime.dataplane, host, grpc_port, None, reuse_port=channel is not None)
     finally:
         runtime.close()
