@@ -30,10 +30,11 @@ test: install system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS) --ignore=tests/runtime/test_grpc.py
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/runtime/test_grpc.py
 
-# Benchmarks: wrk (Debian) drives HTTP load; the bench extra holds the PP-OCR models and
+# Benchmarks: wrk and h2load (Debian) drive HTTP and gRPC load; the bench extra holds the PP-OCR models and
 # onnxruntime; bench/peers.py builds MLServer's own virtualenv in .bench-venv/ on first use.
 bench-deps: install
-	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends wrk; }
+	@command -v wrk >/dev/null && command -v h2load >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends wrk nghttp2-client; }
 	$(BIN)/python -m pip install --quiet -e ".[test,dev,bench]"
 
 bench: bench-deps system-deps

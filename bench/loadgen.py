@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -297,6 +298,43 @@ def run_grpc(target: str, requests: list[bytes], concurrency: int, seconds: floa
     if out.returncode != 0:
         raise RuntimeError(f"the gRPC load generator exited with {out.returncode}:\n{out.stderr}")
     return Measured(**json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+H2LOAD = shutil.which("h2load")  # Debian's nghttp2-client: HTTP/2 load in C, as wrk is for HTTP/1.1
+
+
+def run_h2load(target: str, message: bytes, concurrency: int, seconds: float,
+               metadata: dict[str, str] | None = None) -> Measured:
+    """Closed loop of unary ModelInfer calls with h2load (one connection per caller, one call in
+    flight on each). h2load sees HTTP statuses, not gRPC's: the caller checks the server's own
+    count of successes. It reports no percentiles: p50 holds its mean and p99 is NaN."""
+    host = target.rsplit(":", 1)[0]
+    assert host.startswith("127."), "loopback targets only"
+    assert H2LOAD is not None, "h2load is not installed (apt-get install nghttp2-client)"
+    duration = max(1, round(seconds))
+    with tempfile.TemporaryDirectory(prefix="h2load-") as tmp:
+        body = Path(tmp) / "message"
+        body.write_bytes(b"\x00" + len(message).to_bytes(4, "big") + message)  # gRPC length-prefixed
+        headers = {"content-type": "application/grpc", "te": "trailers", **(metadata or {})}
+        before = _children_cpu()
+        out = subprocess.run([H2LOAD, "-D", str(duration), "-c", str(concurrency), "-m", "1", "-t", "1",
+                              *[a for k, v in headers.items() for a in ("-H", f"{k}: {v}")],
+                              "-d", str(body), f"http://{target}{GRPC_INFER}"],
+                             capture_output=True, text=True, timeout=duration + 60)
+    if out.returncode != 0:
+        raise RuntimeError(f"h2load exited with {out.returncode}:\n{out.stdout}\n{out.stderr}")
+    done = re.search(r"requests: (\d+) total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored",
+                     out.stdout)
+    rate = re.search(r"finished in ([\d.]+)s, ([\d.]+) req/s", out.stdout)
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)", out.stdout)
+    if not (done and rate and mean):
+        raise RuntimeError(f"cannot read h2load's output:\n{out.stdout}")
+    failed = int(done[4]) + int(done[5])
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean[2]]
+    res = Measured("h2load", concurrency, float(rate[1]), int(done[3]), float(rate[2]), float(mean[1]) * scale,
+                   float("nan"), failed, f"{failed} HTTP/2 failures" if failed else "")
+    res.client_cpu = (_children_cpu() - before) / res.seconds
+    return res
 
 
 def _grpc_main(argv: list[str]) -> None:

@@ -2,6 +2,7 @@
 
 FACTS.md rules this module keeps:
 - one runtime manager with numThread=1 (fork-safe, no hidden thread pool);
+- weights packed at load (``rearrange=True``), which also frees the file's unpacked copy;
 - never two concurrent forwards on one module: every call takes its own clone from the pool;
 - inputs are checked against the model's signature before MNN sees them, and always passed as a
   list of Vars; an empty result is an error, not a crash;
@@ -132,7 +133,10 @@ class LoadedModel:
         module = None
         with captured_native_stdout() as printed:
             try:
-                module = nn.load_module_from_file(str(path), [], [], runtime_manager=runtime_manager())
+                # rearrange: weights are packed at load and the file's copy is let go (measured: a
+                # 52 MB fp32 model holds 50 MB instead of 99 MB once run; same speed and outputs)
+                module = nn.load_module_from_file(str(path), [], [], runtime_manager=runtime_manager(),
+                                                  rearrange=True)
             except (SystemError, RuntimeError, ValueError):
                 module = None
             if module is not None:
