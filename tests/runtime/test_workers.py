@@ -55,6 +55,28 @@ def test_keep_alive_requests_to_workers_are_not_delayed(server: RuntimeServer) -
         assert time.monotonic() - started < 3.0  # ~0.1 s healthy; >= 4 s with the delay
 
 
+def test_connections_are_dealt_out_to_every_worker_in_turn(server: RuntimeServer) -> None:
+    """The supervisor accepts and hands each connection to the next worker: 8 clients connecting
+    at once end up 4 and 4 (a shared listening socket let one worker take a whole burst)."""
+    import re
+    import subprocess
+
+    assert server.proc is not None
+    clients = [httpx.Client(base_url=server.url) for _ in range(8)]
+    try:
+        for c in clients:
+            assert c.post(INFER, json=BODY).status_code == 200
+        port = server.url.rsplit(":", 1)[1]
+        out = subprocess.run(["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, check=True).stdout
+        owners = Counter(int(pid) for pid in re.findall(r"pid=(\d+)", out))
+        assert sorted(owners) == sorted(children(server.proc.pid)), out
+        assert sorted(owners.values()) == [4, 4], out
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_metrics_add_up_over_all_workers(server: RuntimeServer) -> None:
     with httpx.Client(base_url=server.url) as c:
         # separate connections land on either worker
