@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import uvicorn
 
-from .config import ConfigError, RuntimeConfig, parse_config_text
+from .config import ConfigError, RuntimeConfig, dump_config, parse_config_text
 from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
@@ -29,6 +29,9 @@ from .fastpath import InferFastPath
 from .rest import create_app
 
 log = logging.getLogger(__name__)
+
+CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
+MAX_CONFIG_BYTES = 256 * 1024
 
 
 class Source(Protocol):
@@ -53,11 +56,11 @@ class Runtime:
         self.source.stop()
 
 
-def _applier(metrics: RuntimeMetrics, registry: Registry, model: str) -> ConfigApplier:
+def _applier(metrics: RuntimeMetrics, apply: Callable[[RuntimeConfig], object], model: str) -> ConfigApplier:
     def on_result(result: str, reason: str | None) -> None:
         metrics.config_reloads.labels(model, result).inc()
 
-    return ConfigApplier(registry.apply, on_result)
+    return ConfigApplier(apply, on_result)
 
 
 def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApplier], Source]) -> Runtime:
@@ -67,7 +70,7 @@ def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApp
     for name, state in registry.snapshot.versions.items():
         if not state.ready:
             log.error("version %s is not serving: %s", name, state.reason)
-    source = make_source(_applier(metrics, registry, config.model))
+    source = make_source(_applier(metrics, registry.apply, config.model))
     source.prime(text)
     dataplane = DataPlane(registry, metrics)
     return Runtime(config, registry, metrics, dataplane, InferFastPath(create_app(dataplane, metrics), dataplane), source)
@@ -109,9 +112,10 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
 
 def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,
                   log_level: str = "info", grpc_port: int | None = None) -> int:
-    """Load once in this process, then fork ``workers`` processes sharing the weights. This
-    process follows the config too: a new or changed version is loaded here, once, and the workers
-    are replaced one by one (see workers.Supervisor)."""
+    """Load once in this process, then fork ``workers`` processes sharing the weights. Only this
+    process follows the config (one watch per pod, not per worker): it sends every valid change to
+    the workers at once (new weights apply there within milliseconds), then loads a new or changed
+    version here, once, and replaces the workers one by one (see workers.Supervisor)."""
     from .workers import Supervisor, bind, enable_multiprocess_metrics
 
     metrics_dir = enable_multiprocess_metrics()
@@ -122,6 +126,9 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     def serve_one(channel: Any, ready_fd: int) -> None:
         runtime.registry.load_new = False  # a worker never loads: the supervisor does, once
         serve(runtime, host, port, log_level, channel=channel, grpc_port=grpc_port, ready_fd=ready_fd)
+
+    def offer(config: RuntimeConfig) -> None:
+        supervisor.offer(config, dump_config(config).encode())
 
     def apply(config: RuntimeConfig) -> bool:
         """Apply in the supervisor; True when a version's model changed (the workers must be replaced)."""
@@ -134,7 +141,7 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     _uvicorn_config(runtime, host, port, log_level).load()
     import uvloop  # noqa: F401 - imported, not started: each worker makes its own loop
     supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply)
-    follower = runtime.source.follow(ConfigApplier(supervisor.offer))
+    follower = runtime.source.follow(_applier(runtime.metrics, offer, runtime.config.model))
     follower.start()
     try:
         return supervisor.run()
@@ -151,10 +158,11 @@ class _Server(uvicorn.Server):
     ``retire_grace`` seconds)."""
 
     def __init__(self, config: uvicorn.Config, app: Any, channel: socket.socket | None, ready_fd: int | None,
-                 retire_grace: float = 5.0) -> None:
+                 on_config: Callable[[bytes], object] | None = None, retire_grace: float = 5.0) -> None:
         super().__init__(config)
         self.app = app
         self.channel = channel
+        self.on_config = on_config
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
 
@@ -177,16 +185,23 @@ class _Server(uvicorn.Server):
             config=self.config, server_state=self.server_state, app_state=self.lifespan.state)
 
     def _receive(self) -> None:
-        """Take the connections the supervisor sent and serve each like an accepted one."""
+        """Take what the supervisor sent: connections (serve each like an accepted one) and
+        configs (apply them)."""
         assert self.channel is not None
         loop = asyncio.get_running_loop()
         while True:
             try:
-                _, fds, _, _ = socket.recv_fds(self.channel, 16, 64)
+                data, fds, flags, _ = socket.recv_fds(self.channel, MAX_CONFIG_BYTES, 64)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                fds = []
+                data, fds, flags = b"", [], 0
+            if not fds and data.startswith(CONFIG_MESSAGE):
+                if flags & socket.MSG_TRUNC:
+                    log.error("a config from the supervisor was over %d bytes and is ignored", MAX_CONFIG_BYTES)
+                elif self.on_config is not None:
+                    self.on_config(data[len(CONFIG_MESSAGE):])
+                continue
             if not fds:  # the supervisor is gone (or closed the channel): nothing more will come
                 loop.remove_reader(self.channel.fileno())
                 return
@@ -232,9 +247,14 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
     ``channel`` (a worker), serve the connections the supervisor sends over it and write a byte
     to ``ready_fd`` once serving. With ``grpc_port``, OIP v2 gRPC is served on the same event loop
     (every worker binds that port: SO_REUSEPORT)."""
-    runtime.source.start()
+    on_config = None
+    if channel is None:
+        runtime.source.start()
+    else:  # a worker: configs come from the supervisor; it counts them, the worker applies them
+        applier = ConfigApplier(runtime.registry.apply)
+        on_config = lambda text: applier.offer(text.decode(), "the supervisor")  # noqa: E731
     config = _uvicorn_config(runtime, host, port, log_level)
-    server = _Server(config, runtime.app, channel, ready_fd)
+    server = _Server(config, runtime.app, channel, ready_fd, on_config)
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -127,13 +127,15 @@ class Supervisor:
         self.stopping = False
         self.restarts = 0
         self.rolls = 0
-        self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
+        self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
-    def offer(self, config: Any) -> None:
-        """Hand a new config to the supervisor loop (thread-safe, returns at once)."""
-        self._pending.put(config)
+    def offer(self, config: Any, text: bytes = b"") -> None:
+        """Hand a new config to the supervisor loop (thread-safe, returns at once); ``text`` is
+        sent to every worker before the supervisor applies the config itself."""
+        self._pending.put((config, text))
         self._wake()
 
     def _wake(self) -> None:
@@ -171,6 +173,8 @@ class Supervisor:
         log.info("worker %d started (pid %d)", slot, pid)
         if self.stopping:  # SIGTERM came while this one was being started: it stops with the rest
             os.kill(pid, signal.SIGTERM)
+        elif self._deferred is not None and self._deferred[1]:
+            self._send_config(pid, ours, self._deferred[1])  # newer than what it was forked with
         return pid
 
     def _stop(self, signum: int, _frame: object) -> None:
@@ -254,6 +258,25 @@ class Supervisor:
             return
         log.error("no worker to take a connection; it is closed")
 
+    def _broadcast(self, text: bytes) -> None:
+        """Send a config to every worker (they apply new weights at once; a version they do not
+        have yet stays pending until they are replaced)."""
+        for pid, channel in list(self._channels.items()):
+            self._send_config(pid, channel, text)
+
+    @staticmethod
+    def _send_config(pid: int, channel: socket.socket, text: bytes) -> None:
+        from .server import CONFIG_MESSAGE, MAX_CONFIG_BYTES
+
+        message = CONFIG_MESSAGE + text
+        if len(message) > MAX_CONFIG_BYTES:
+            log.error("config of %d bytes is over %d: workers keep theirs", len(message), MAX_CONFIG_BYTES)
+            return
+        try:
+            channel.send(message)
+        except OSError as exc:  # a worker that died: it is replaced from the newest state
+            log.warning("worker pid %d did not take the new config: %s", pid, exc)
+
     def _reap(self) -> None:
         while True:
             try:
@@ -282,17 +305,29 @@ class Supervisor:
                 time.sleep(0.1)
                 self._spawn(slot)
 
-    def _apply_pending(self) -> None:
-        config = None
+    def _forward_pending(self) -> None:
+        """Send the newest config handed in to every worker now; this process applies it later
+        (it may have to load a version first)."""
+        newest = None
         while not self._pending.empty():
-            config = self._pending.get()  # only the newest matters
-        if config is None or self.apply is None:
+            newest = self._pending.get()  # only the newest matters
+        if newest is not None:
+            self._deferred = newest
+            if newest[1]:
+                self._broadcast(newest[1])
+
+    def _apply_pending(self) -> None:
+        self._forward_pending()
+        if self._deferred is None or self.apply is None:
             return
+        config, _ = self._deferred
         try:
             changed = self.apply(config)
         except Exception:  # noqa: BLE001 - a bad update must never take the supervisor down
             log.exception("the supervisor could not apply a new config; workers keep theirs")
+            self._deferred = None
             return
+        self._deferred = None
         if changed:
             self._roll()
 
@@ -308,6 +343,7 @@ class Supervisor:
             while new not in self.ready and time.monotonic() < deadline and not self.stopping:
                 self._wait(0.2)
                 self._reap()
+                self._forward_pending()  # new weights reach the workers during a roll too
                 if new not in self.children:  # it died before serving (and was replaced): follow that one
                     new = next((p for p, s in self.children.items() if s == slot and p != old), new)
             if new not in self.ready:

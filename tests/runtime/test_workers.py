@@ -90,6 +90,9 @@ def test_metrics_add_up_over_all_workers(server: RuntimeServer) -> None:
 
 
 def test_new_weights_reach_every_worker(server: RuntimeServer, model_dir: Path) -> None:
+    """Only the supervisor follows the config and sends it on: a change counts once per pod."""
+    reloads = value(httpx.get(server.url + "/metrics").text, "mnn_config_reloads_total", model="scorer",
+                    result="applied")
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
     config["weights"] = {"v1": 40, "v2": 60}
     tmp = model_dir / "runtime.tmp"
@@ -107,6 +110,8 @@ def test_new_weights_reach_every_worker(server: RuntimeServer, model_dir: Path) 
         assert time.monotonic() < deadline, "workers did not all apply the new weights"
         time.sleep(0.1)
     assert all(routed() for _ in range(3))  # stable across many connections, i.e. both workers
+    assert value(httpx.get(server.url + "/metrics").text, "mnn_config_reloads_total", model="scorer",
+                 result="applied") == reloads + 1
 
 
 def test_a_killed_worker_is_replaced_and_counters_never_go_back(server: RuntimeServer) -> None:
