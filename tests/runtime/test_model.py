@@ -98,3 +98,29 @@ def test_int8_weights_v2_differs_from_v1_but_has_the_same_interface(examples_dir
     x = np.ones((1, 64), np.float32)
     assert not np.allclose(v1.infer([x])[0], v2.infer([x])[0])
     assert (examples_dir / "v2.mnn").stat().st_size * 3 < (examples_dir / "v1.mnn").stat().st_size
+
+
+def test_a_worker_forked_after_loading_runs_the_model_without_hanging(examples_dir: Path) -> None:
+    """FACTS.md: a child forked from a parent whose MNN runtime had more than one thread hangs in
+    forward. The runtime's single one-thread runtime manager keeps `serve --workers` safe."""
+    import os
+    import time
+
+    model = LoadedModel.load(examples_dir / "v2-slow.mnn")
+    x = np.random.default_rng(3).random((4, 64), dtype=np.float32)
+    expected = model.infer([x])[0]
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the parent's answer
+        code = 1
+        try:
+            code = 0 if np.allclose(model.infer([x])[0], expected, atol=1e-6) else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung in forward")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
