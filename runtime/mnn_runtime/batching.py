@@ -66,15 +66,15 @@ class Batcher:
         self.observe = observe
         self._delay = spec.max_queue_delay_microseconds / 1e6
         self._open: dict[tuple[Any, ...], _Batch] = {}
-        self.cost: dict[int, float] = {}  # rows -> smoothed seconds per forward
+        self.cost: dict[tuple[Any, int], float] = {}  # (input shapes but dim 0, rows) -> smoothed seconds
         self._batches = 0
 
     async def infer(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         rows = int(arrays[0].shape[0])
         limit = self.spec.max_batch_size
-        if rows >= limit:
-            return self._forward(arrays, rows)
         key = tuple((a.dtype.str, a.shape[1:]) for a in arrays)
+        if rows >= limit:
+            return self._forward(arrays, rows, key)
         batch = self._open.get(key)
         if batch is not None and batch.rows + rows > limit:
             self._flush(key, batch)
@@ -92,21 +92,21 @@ class Batcher:
             self._flush(key, batch)
         return await future
 
-    def _forward(self, arrays: Sequence[np.ndarray], rows: int) -> list[np.ndarray]:
+    def _forward(self, arrays: Sequence[np.ndarray], rows: int, key: tuple[Any, ...]) -> list[np.ndarray]:
         started = time.perf_counter()
         outputs = self.model.infer(arrays)
         took = time.perf_counter() - started
-        known = self.cost.get(rows)
-        self.cost[rows] = took if known is None else known + _SMOOTHING * (took - known)
+        known = self.cost.get((key, rows))
+        self.cost[(key, rows)] = took if known is None else known + _SMOOTHING * (took - known)
         if self.observe is not None:
             self.observe(rows)
         return outputs
 
-    def _pays(self, items: list[tuple[Sequence[np.ndarray], int, Any]], rows: int) -> bool:
+    def _pays(self, key: tuple[Any, ...], items: list[tuple[Sequence[np.ndarray], int, Any]], rows: int) -> bool:
         """Whether one forward of ``rows`` is not known to be slower than the requests alone."""
         self._batches += 1
-        whole = self.cost.get(rows)
-        alone = [self.cost.get(n) for _, n, _ in items]
+        whole = self.cost.get((key, rows))
+        alone = [self.cost.get((key, n)) for _, n, _ in items]
         if whole is None or None in alone or self._batches % _EXPLORE_EVERY == 0:
             return True
         return whole <= sum(alone)  # type: ignore[arg-type]
@@ -120,18 +120,18 @@ class Batcher:
         items, batch.items = batch.items, []
         if not items:
             return
-        if len(items) == 1 or not self._pays(items, batch.rows):
+        if len(items) == 1 or not self._pays(key, items, batch.rows):
             for item in items:
-                self._settle(item)
+                self._settle(key, item)
             return
         try:
             stacked = [np.concatenate([item[0][i] for item in items]) for i in range(len(items[0][0]))]
-            outputs = self._forward(stacked, batch.rows)
+            outputs = self._forward(stacked, batch.rows, key)
             if any(out.shape[:1] != (batch.rows,) for out in outputs):
                 raise ValueError("an output does not follow the batch size")
         except Exception:  # noqa: BLE001 - one bad request must not fail the others: run each alone
             for item in items:
-                self._settle(item)
+                self._settle(key, item)
             return
         start = 0
         for _, rows, future in items:
@@ -139,11 +139,12 @@ class Batcher:
                 future.set_result([out[start:start + rows] for out in outputs])
             start += rows
 
-    def _settle(self, item: tuple[Sequence[np.ndarray], int, asyncio.Future[list[np.ndarray]]]) -> None:
+    def _settle(self, key: tuple[Any, ...],
+                item: tuple[Sequence[np.ndarray], int, asyncio.Future[list[np.ndarray]]]) -> None:
         arrays, rows, future = item
         if future.done():  # the caller went away
             return
         try:
-            future.set_result(self._forward(arrays, rows))
+            future.set_result(self._forward(arrays, rows, key))
         except Exception as exc:  # noqa: BLE001 - delivered to the request's own caller
             future.set_exception(exc)

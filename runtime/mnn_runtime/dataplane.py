@@ -164,6 +164,10 @@ class DataPlane:
         cached = self._batchers.get(key)
         if cached is not None and cached[0] is state.model and cached[1] == spec:
             return cached[2]
+        live = self.registry.snapshot.versions
+        for stale in [k for k, v in self._batchers.items()
+                      if k[1] not in live or live[k[1]].model is not v[0]]:
+            del self._batchers[stale]  # a removed or replaced model is not kept alive by its batcher
         batcher = None
         reason = batching_off_reason(state.model)
         if reason is not None:

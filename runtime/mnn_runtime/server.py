@@ -31,7 +31,7 @@ from .rest import create_app
 log = logging.getLogger(__name__)
 
 CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
-MAX_CONFIG_BYTES = 256 * 1024
+MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
 
 
 class Source(Protocol):
@@ -131,17 +131,26 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         supervisor.offer(config, dump_config(config).encode())
 
     def apply(config: RuntimeConfig) -> bool:
-        """Apply in the supervisor; True when a version's model changed (the workers must be replaced)."""
+        """Apply in the supervisor; True when the workers must be replaced: a version was added,
+        its file changed (the workers list it as pending until then) or its model did."""
+        def files(versions: Any) -> dict[str, Any]:
+            return {v.name: (v.uri, v.sha256, v.warmup_shapes) for v in versions}
+
         before = {name: (v.state, id(v.model)) for name, v in runtime.registry.snapshot.versions.items()}
+        asked = files(runtime.registry.snapshot.config.versions)
         after = runtime.registry.apply(config).versions
-        return any(before.get(name) != (v.state, id(v.model)) for name, v in after.items())
+        return (any(asked.get(name) != spec for name, spec in files(config.versions).items())
+                or any(before.get(name) != (v.state, id(v.model)) for name, v in after.items()))
 
     # What every worker would import or build when it starts is done here, once, so that it is
     # shared too (measured: an idle worker's private memory went from 9.9 to 6.9 MB).
     _uvicorn_config(runtime, host, port, log_level).load()
     import uvloop  # noqa: F401 - imported, not started: each worker makes its own loop
     supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply)
-    follower = runtime.source.follow(_applier(runtime.metrics, offer, runtime.config.model))
+    def counted(result: str, reason: str | None) -> None:  # on the supervisor's thread: see call_in_loop
+        supervisor.call_in_loop(lambda: runtime.metrics.config_reloads.labels(runtime.config.model, result).inc())
+
+    follower = runtime.source.follow(ConfigApplier(offer, counted))
     follower.start()
     try:
         return supervisor.run()
@@ -194,7 +203,8 @@ class _Server(uvicorn.Server):
                 data, fds, flags, _ = socket.recv_fds(self.channel, MAX_CONFIG_BYTES, 64)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                log.error("the channel from the supervisor broke: %s", exc)
                 data, fds, flags = b"", [], 0
             if not fds and data.startswith(CONFIG_MESSAGE):
                 if flags & socket.MSG_TRUNC:
@@ -202,9 +212,11 @@ class _Server(uvicorn.Server):
                 elif self.on_config is not None:
                     self.on_config(data[len(CONFIG_MESSAGE):])
                 continue
-            if not fds:  # the supervisor is gone (or closed the channel): nothing more will come
+            if not data and not fds:  # the supervisor is gone: nothing more will come
                 loop.remove_reader(self.channel.fileno())
                 return
+            if flags & socket.MSG_CTRUNC:  # out of file descriptors: that connection is lost, not us
+                log.error("a connection from the supervisor was dropped: no file descriptor left")
             for fd in fds:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)

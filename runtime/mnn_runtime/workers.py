@@ -3,10 +3,10 @@
 The parent loads and warms every version (one MNN thread: fork-safe), binds the listening
 socket, then forks the workers: the weights are shared copy-on-write. The parent accepts the
 connections and deals them out to the workers; each worker serves its connections with its own
-event loop and follows the routing config itself (weights change in
-every worker at once). The parent follows the config too: when a version is added or its file
-changes, the parent loads it and replaces the workers one by one, so new weights are shared as
-well. The parent supervises: a worker that dies is replaced (the others keep serving), SIGTERM is
+event loop. Only the parent follows the config: it sends every change to the workers (weights
+change in every worker at once), and when a version is added or its file changes, it loads the
+file (once, on a thread) and replaces the workers one by one, so new weights are shared as well.
+The parent supervises: a worker that dies is replaced (the others keep serving), SIGTERM is
 passed on and every worker drains its in-flight requests before exiting.
 
 Metrics use prometheus-client's multiprocess mode: every worker writes its samples to files in
@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,6 +130,11 @@ class Supervisor:
         self.rolls = 0
         self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
+        self._loader: threading.Thread | None = None  # applying a config (loading) off the main loop
+        self._loaded: list[bool] = []  # the loader's answer: must the workers be replaced?
+        self._respawn: dict[int, float] = {}  # slot -> when to start its new worker
+        self._crashes: dict[int, list[float]] = {}  # slot -> recent unexpected deaths (for backoff)
+        self._main_calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
@@ -136,6 +142,12 @@ class Supervisor:
         """Hand a new config to the supervisor loop (thread-safe, returns at once); ``text`` is
         sent to every worker before the supervisor applies the config itself."""
         self._pending.put((config, text))
+        self._wake()
+
+    def call_in_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the supervisor's own thread (thread-safe): what another thread must not
+        do itself, such as writing metrics a fork could catch half-done."""
+        self._main_calls.put(fn)
         self._wake()
 
     def _wake(self) -> None:
@@ -167,6 +179,7 @@ class Supervisor:
                 os._exit(code)
         os.close(ready_w)
         theirs.close()
+        ours.setblocking(False)  # a worker that stops reading must never block the supervisor
         self.children[pid] = slot
         self._ready_fds[pid] = ready_r
         self._channels[pid] = ours
@@ -195,11 +208,13 @@ class Supervisor:
         gc.freeze()
         for slot in range(self.workers):
             self._spawn(slot)
-        while self.children:
-            self._wait(0.5)
+        while self.children or self._respawn:
+            self._wait(0.1 if self._respawn else 0.5)
             self._reap()
             if not self.stopping:
                 self._apply_pending()
+        if self._loader is not None:
+            self._loader.join(timeout=30)
         self.sock.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -218,6 +233,11 @@ class Supervisor:
         for fd in readable:
             if fd == self._wake_r:
                 os.read(fd, 4096)
+                while not self._main_calls.empty():
+                    try:
+                        self._main_calls.get()()
+                    except Exception:  # noqa: BLE001 - one bad call must not stop the supervisor
+                        log.exception("supervisor call failed")
                 continue
             if fd == listening:
                 self._accept()
@@ -231,6 +251,8 @@ class Supervisor:
 
     def _accept(self) -> None:
         for _ in range(256):  # a burst, then back to the loop (signals, children, configs)
+            if self.stopping or not any(pid not in self.retiring for pid in self.children):
+                return  # leave them in the backlog: a worker is on its way (or we are stopping)
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -251,18 +273,19 @@ class Supervisor:
             pid = order[(self._turn + i) % len(order)]
             try:
                 socket.send_fds(self._channels[pid], [b"c"], [conn.fileno()])
-            except OSError:  # that worker just died: the next one takes it
+            except OSError:  # it died, or its channel is full (it stopped reading): the next one
                 continue
             self._turn = (self._turn + i + 1) % max(1, len(order))
             self.handed += 1
             return
-        log.error("no worker to take a connection; it is closed")
+        log.error("no worker could take a connection (all busy or gone); it is closed")
 
     def _broadcast(self, text: bytes) -> None:
         """Send a config to every worker (they apply new weights at once; a version they do not
         have yet stays pending until they are replaced)."""
         for pid, channel in list(self._channels.items()):
-            self._send_config(pid, channel, text)
+            if pid not in self.retiring:
+                self._send_config(pid, channel, text)
 
     @staticmethod
     def _send_config(pid: int, channel: socket.socket, text: bytes) -> None:
@@ -282,9 +305,9 @@ class Supervisor:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
             if pid not in self.children:
                 continue
             slot = self.children.pop(pid)
@@ -302,7 +325,22 @@ class Supervisor:
             elif not self.stopping:
                 self.restarts += 1
                 log.error("worker %d (pid %d) died with status %d; starting a new one", slot, pid, status)
-                time.sleep(0.1)
+                if any(s == slot for s in self.children.values()):
+                    continue  # its replacement (a roll) is already there
+                # at once, unless this slot keeps dying: then up to 5 s between tries
+                now = time.monotonic()
+                recent = [t for t in self._crashes.get(slot, []) if now - t < 30] + [now]
+                self._crashes[slot] = recent
+                self._respawn[slot] = now + (0 if len(recent) == 1 else min(5.0, 0.1 * 2 ** len(recent)))
+        self._respawn_due()
+
+    def _respawn_due(self) -> None:
+        if self.stopping or self._loader is not None:  # never fork while the loader is inside MNN
+            return
+        now = time.monotonic()
+        for slot, due in sorted(self._respawn.items()):
+            if due <= now:
+                del self._respawn[slot]
                 self._spawn(slot)
 
     def _forward_pending(self) -> None:
@@ -317,19 +355,34 @@ class Supervisor:
                 self._broadcast(newest[1])
 
     def _apply_pending(self) -> None:
+        """Apply the newest config in this process on a loader thread (loading a version can take
+        seconds: connections keep being handed out meanwhile); once done, replace the workers if
+        it loaded something."""
         self._forward_pending()
+        if self._loader is not None:
+            if self._loader.is_alive():
+                return
+            self._loader = None
+            if self._loaded.pop():
+                self._roll()
+            self._reap()  # respawns that waited for the load
         if self._deferred is None or self.apply is None:
             return
         config, _ = self._deferred
-        try:
-            changed = self.apply(config)
-        except Exception:  # noqa: BLE001 - a bad update must never take the supervisor down
-            log.exception("the supervisor could not apply a new config; workers keep theirs")
-            self._deferred = None
-            return
         self._deferred = None
-        if changed:
-            self._roll()
+        apply = self.apply
+
+        def load() -> None:
+            try:
+                changed = apply(config)
+            except Exception:  # noqa: BLE001 - a bad update must never take the supervisor down
+                log.exception("the supervisor could not apply a new config; workers keep theirs")
+                changed = False
+            self._loaded.append(changed)
+            self._wake()
+
+        self._loader = threading.Thread(target=load, name="config-load", daemon=True)
+        self._loader.start()
 
     def _roll(self) -> None:
         """Replace every worker by one forked now (sharing what was just loaded), one at a time."""
@@ -349,6 +402,11 @@ class Supervisor:
             if new not in self.ready:
                 log.error("worker %d: its replacement (pid %d) is not serving after %.0f s; keeping pid %d",
                           slot, new, self.ready_timeout, old)
+                if new in self.children:
+                    self.retiring.add(new)  # not respawned when reaped
+                    os.kill(new, signal.SIGKILL)
+                continue
+            if old not in self.children:  # it died meanwhile: its replacement serves already
                 continue
             self.retiring.add(old)
             try:

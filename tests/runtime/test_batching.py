@@ -285,7 +285,8 @@ def test_batches_that_cost_more_than_their_requests_alone_are_run_alone(v1: Load
     assert model.forwards[:2] == [1, 2]  # the first pair is tried as a batch, and found slower
     later = model.forwards[2:]
     assert later.count(2) <= 1 and later.count(1) >= 18  # then pairs run alone (one re-check allowed)
-    assert batcher.cost[2] > 2 * batcher.cost[1]
+    key = (("<f4", (FEATURES,)),)  # costs are kept per input shape (beyond dim 0) and row count
+    assert batcher.cost[(key, 2)] > 2 * batcher.cost[(key, 1)]
 
 
 def test_batches_that_pay_keep_running_as_batches(v1: LoadedModel) -> None:

@@ -259,3 +259,59 @@ def test_a_worker_lists_a_version_the_supervisor_is_loading_as_pending(model_dir
     changed["weights"] = {"v1": 100}
     snap = registry.apply(parse_config(changed))
     assert snap.versions["v1"].state == PENDING and snap.versions["v1"].model is not None  # old file serves
+
+
+def test_a_worker_that_stops_reading_never_blocks_the_supervisor(server: RuntimeServer) -> None:
+    """A frozen worker's channel fills up; the supervisor must skip it (non-blocking sends) and
+    keep handing connections to the others, instead of blocking on it."""
+    import socket as socket_mod
+
+    assert server.proc is not None
+    frozen = children(server.proc.pid)[0]
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    request = (f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").encode()
+    os.kill(frozen, signal.SIGSTOP)
+    socks = []
+    try:
+        for _ in range(700):  # more than the ~280 connections a channel's buffer holds
+            s = socket_mod.create_connection((host, int(port)), timeout=10)
+            s.sendall(request)
+            socks.append(s)
+        # after the burst, with the frozen worker's channel full, every new connection is served
+        deadline = time.monotonic() + 20
+        served = 0
+        while served < 20:
+            assert time.monotonic() < deadline, "the supervisor stopped handing out connections"
+            with httpx.Client(base_url=server.url, timeout=2) as c:
+                try:
+                    served += c.get("/v2/health/live").status_code == 200
+                except httpx.TimeoutException:
+                    pass  # this one went to the frozen worker before its channel was full
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+        for s in socks:
+            s.close()
+    assert server.alive()
+
+
+def test_a_changed_file_that_fails_again_is_reported_failed_not_pending(model_dir: Path, tmp_path: Path) -> None:
+    """Workers list a changed file as pending until the supervisor replaces them; it must replace
+    them even when the new file fails as the old one did, or they would say pending forever."""
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    config["versions"][1] = {"name": "v2", "uri": "missing-1.mnn"}
+    config["weights"] = {"v1": 100}
+    _write(model_dir, config)
+    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "fail.log", extra_args=["--workers", "2"])
+    srv.start()
+    try:
+        config["versions"][1] = {"name": "v2", "uri": "missing-2.mnn"}
+        _write(model_dir, config)
+        deadline = time.monotonic() + 20
+        while True:
+            states = [_status(srv.url)["versions"]["v2"] for _ in range(6)]  # type: ignore[index]
+            if all(s["state"] == "failed" and "missing-2.mnn" in s["reason"] for s in states):  # type: ignore[index]
+                break
+            assert time.monotonic() < deadline, f"workers still report {states}"
+            time.sleep(0.2)
+    finally:
+        srv.stop()
