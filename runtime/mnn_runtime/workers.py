@@ -208,7 +208,7 @@ class Supervisor:
         gc.freeze()
         for slot in range(self.workers):
             self._spawn(slot)
-        while self.children or self._respawn:
+        while self.children or (self._respawn and not self.stopping):
             self._wait(0.1 if self._respawn else 0.5)
             self._reap()
             if not self.stopping:

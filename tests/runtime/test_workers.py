@@ -315,3 +315,18 @@ def test_a_changed_file_that_fails_again_is_reported_failed_not_pending(model_di
             time.sleep(0.2)
     finally:
         srv.stop()
+
+
+def test_sigterm_while_a_crashed_worker_waits_for_its_restart_still_exits(server: RuntimeServer) -> None:
+    """A slot that crashed twice is restarted after a delay; SIGTERM in that delay must not leave
+    the supervisor waiting for a worker it will never start."""
+    assert server.proc is not None
+    first = children(server.proc.pid)
+    os.kill(first[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not (len(now := children(server.proc.pid)) == 2 and first[0] not in now):
+        assert time.monotonic() < deadline, "no replacement worker"
+        time.sleep(0.05)
+    os.kill(next(p for p in now if p not in first), signal.SIGKILL)  # the same slot again: a delayed restart
+    time.sleep(0.1)
+    assert server.stop() == 0
