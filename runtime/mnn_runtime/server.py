@@ -212,8 +212,10 @@ class _Server(uvicorn.Server):
                 elif self.on_config is not None:
                     self.on_config(data[len(CONFIG_MESSAGE):])
                 continue
-            if not data and not fds:  # the supervisor is gone: nothing more will come
+            if not data and not fds:  # the supervisor is gone: finish what we hold, then exit
                 loop.remove_reader(self.channel.fileno())
+                log.error("the supervisor is gone; this worker drains and exits")
+                self.should_exit = True
                 return
             if flags & socket.MSG_CTRUNC:  # out of file descriptors: that connection is lost, not us
                 log.error("a connection from the supervisor was dropped: no file descriptor left")

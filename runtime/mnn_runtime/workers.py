@@ -159,7 +159,16 @@ class Supervisor:
     def _spawn(self, slot: int) -> int:
         ready_r, ready_w = os.pipe()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of memory or processes: try again later, never crash
+            log.error("cannot start worker %d: %s; retrying", slot, exc)
+            for fd in (ready_r, ready_w):
+                os.close(fd)
+            ours.close()
+            theirs.close()
+            self._respawn[slot] = time.monotonic() + 1.0
+            return -1
         if pid == 0:  # the worker
             _die_with_parent()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

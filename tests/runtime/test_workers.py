@@ -330,3 +330,23 @@ def test_sigterm_while_a_crashed_worker_waits_for_its_restart_still_exits(server
     os.kill(next(p for p in now if p not in first), signal.SIGKILL)  # the same slot again: a delayed restart
     time.sleep(0.1)
     assert server.stop() == 0
+
+
+def test_workers_do_not_outlive_a_killed_supervisor(server: RuntimeServer) -> None:
+    """No orphans: a worker gets SIGTERM when its supervisor dies (PR_SET_PDEATHSIG), and a worker
+    that missed it sees its channel close and exits too."""
+    assert server.proc is not None
+    workers = children(server.proc.pid)
+    assert len(workers) == 2
+    server.proc.kill()
+    server.proc.wait(10)
+    def running(pid: int) -> bool:
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while any(running(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived its supervisor"
+        time.sleep(0.1)
