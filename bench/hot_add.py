@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from peers import pss_kb, tree  # noqa: E402
+from peers import pss_kb, requests_total, tree  # noqa: E402
 from throughput import json_bodies  # noqa: E402
 
 from mnn_runtime.examples import build_examples  # noqa: E402
@@ -128,14 +128,6 @@ def write(path: Path, config: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(config))
     tmp.replace(path)
-
-
-def requests_total(url: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("mnn_inference_requests_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def hot_add(root: Path, workers: int, seconds: float) -> dict[str, Any]:

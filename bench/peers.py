@@ -79,6 +79,16 @@ def machine_busy_seconds() -> float:
     return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")
 
 
+def requests_total(url: str, outcome: str | None = None) -> float:
+    """mnn-rollout's ``mnn_inference_requests_total`` over every version (of one outcome), read
+    from its /metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("mnn_inference_requests_total{") and (outcome is None or f'outcome="{outcome}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def mlserver_venv(quiet: bool = True) -> Path:
     """The MLServer virtualenv (created once; reused while its package pins are unchanged).
     Returns its ``mlserver`` executable."""

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from loadgen import H2LOAD, Measured, grpc_requests, run_grpc, run_h2load, run_wrk  # noqa: E402
-from peers import cpu_by_process, machine_busy_seconds, start_fastapi, start_mlserver, stop  # noqa: E402
+from peers import cpu_by_process, machine_busy_seconds, requests_total, start_fastapi, start_mlserver, stop  # noqa: E402
 from runtime_overhead import raw_loop  # noqa: E402
 
 from mnn_runtime.examples import FEATURES, build_examples  # noqa: E402
@@ -159,20 +158,12 @@ def bench_ours(root: Path, workers: int, args: argparse.Namespace, rows: list[Ro
         srv.stop()
 
 
-def successes(url: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("mnn_inference_requests_total{") and 'outcome="success"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def checked_h2load(url: str, target: str, message: bytes, c: int, seconds: float) -> Measured:
     """h2load, with every call it counted as done checked against the server's successes (gRPC
     errors travel in trailers, which h2load does not read)."""
-    before = successes(url)
+    before = requests_total(url, "success")
     res = run_h2load(target, message, c, seconds, {"x-user-id": "u1"})
-    missing = res.requests - int(successes(url) - before)
+    missing = res.requests - int(requests_total(url, "success") - before)
     if missing > 0:
         res.errors += missing
         res.detail = (res.detail + "; " if res.detail else "") + f"{missing} calls not counted as successes by the server"

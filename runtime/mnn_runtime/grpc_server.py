@@ -272,10 +272,10 @@ async def serve_with_uvicorn(
 
 
 def run_with_uvicorn(server: uvicorn.Server, dataplane: DataPlane, host: str, grpc_port: int,
-                     sockets: list[socket.socket] | None = None, reuse_port: bool = False) -> None:
+                     reuse_port: bool = False) -> None:
     """``server.run()`` with gRPC on the same event loop (uvicorn's loop factory: uvloop)."""
     with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
-        runner.run(serve_with_uvicorn(server, dataplane, host, grpc_port, sockets, reuse_port))
+        runner.run(serve_with_uvicorn(server, dataplane, host, grpc_port, None, reuse_port))
 
 
 class GrpcThread:

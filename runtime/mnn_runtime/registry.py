@@ -68,7 +68,8 @@ class Snapshot:
                    for name, w in self.weights.items() if w > 0)
 
 
-def _same_file(a: VersionSpec, b: VersionSpec) -> bool:
+def same_file(a: VersionSpec, b: VersionSpec) -> bool:
+    """Whether two specs name the same loaded model (file, digest and warm-up shapes)."""
     return a.uri == b.uri and a.sha256 == b.sha256 and a.warmup_shapes == b.warmup_shapes
 
 
@@ -92,7 +93,7 @@ class Registry:
         versions: dict[str, VersionState] = {}
         for spec in config.versions:
             old = previous.get(spec.name)
-            if old is not None and _same_file(old.spec, spec) and old.ready:
+            if old is not None and same_file(old.spec, spec) and old.ready:
                 # same file: keep the loaded model, take the rest of the spec (batching) as given
                 versions[spec.name] = dataclasses.replace(old, spec=spec) if old.state == READY else old
             elif not self.load_new:

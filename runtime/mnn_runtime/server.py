@@ -24,14 +24,13 @@ from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
-from .registry import Registry
+from .registry import Registry, same_file
 from .fastpath import InferFastPath
+from .workers import CONFIG_MESSAGE, MAX_CONFIG_BYTES
 from .rest import create_app
 
 log = logging.getLogger(__name__)
 
-CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
-MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
 
 
 class Source(Protocol):
@@ -133,13 +132,10 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     def apply(config: RuntimeConfig) -> bool:
         """Apply in the supervisor; True when the workers must be replaced: a version was added,
         its file changed (the workers list it as pending until then) or its model did."""
-        def files(versions: Any) -> dict[str, Any]:
-            return {v.name: (v.uri, v.sha256, v.warmup_shapes) for v in versions}
-
         before = {name: (v.state, id(v.model)) for name, v in runtime.registry.snapshot.versions.items()}
-        asked = files(runtime.registry.snapshot.config.versions)
+        asked = {v.name: v for v in runtime.registry.snapshot.config.versions}
         after = runtime.registry.apply(config).versions
-        return (any(asked.get(name) != spec for name, spec in files(config.versions).items())
+        return (any(v.name not in asked or not same_file(asked[v.name], v) for v in config.versions)
                 or any(before.get(name) != (v.state, id(v.model)) for name, v in after.items()))
 
     # What every worker would import or build when it starts is done here, once, so that it is
@@ -232,8 +228,6 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         if self.channel is not None:
             loop.remove_reader(self.channel.fileno())
-        for server in self.servers:
-            server.close()
         loop.create_task(self._retire())
 
     async def _retire(self) -> None:
@@ -278,6 +272,6 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
         else:
             from .grpc_server import run_with_uvicorn  # gRPC starts in the worker, after the fork
 
-            run_with_uvicorn(server, runtime.dataplane, host, grpc_port, None, reuse_port=channel is not None)
+            run_with_uvicorn(server, runtime.dataplane, host, grpc_port, reuse_port=channel is not None)
     finally:
         runtime.close()

@@ -34,6 +34,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
+MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
+
 
 def _die_with_parent() -> None:
     """Linux: SIGTERM this worker when its supervisor dies, so no worker outlives it."""
@@ -87,7 +90,6 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -123,11 +125,9 @@ class Supervisor:
         self._ready_fds: dict[int, int] = {}  # read end of each child's ready pipe
         self._channels: dict[int, socket.socket] = {}  # pid -> where its connections are sent
         self._turn = 0
-        self.handed = 0
         sock.setblocking(False)
         self.stopping = False
         self.restarts = 0
-        self.rolls = 0
         self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
         self._loader: threading.Thread | None = None  # applying a config (loading) off the main loop
@@ -285,7 +285,6 @@ class Supervisor:
             except OSError:  # it died, or its channel is full (it stopped reading): the next one
                 continue
             self._turn = (self._turn + i + 1) % max(1, len(order))
-            self.handed += 1
             return
         log.error("no worker could take a connection (all busy or gone); it is closed")
 
@@ -298,8 +297,6 @@ class Supervisor:
 
     @staticmethod
     def _send_config(pid: int, channel: socket.socket, text: bytes) -> None:
-        from .server import CONFIG_MESSAGE, MAX_CONFIG_BYTES
-
         message = CONFIG_MESSAGE + text
         if len(message) > MAX_CONFIG_BYTES:
             log.error("config of %d bytes is over %d: workers keep theirs", len(message), MAX_CONFIG_BYTES)
@@ -395,7 +392,6 @@ class Supervisor:
 
     def _roll(self) -> None:
         """Replace every worker by one forked now (sharing what was just loaded), one at a time."""
-        self.rolls += 1
         gc.freeze()
         for old, slot in sorted(self.children.items(), key=lambda item: item[1]):
             if self.stopping or old in self.retiring or old not in self.children:
