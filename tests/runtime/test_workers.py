@@ -350,3 +350,21 @@ def test_workers_do_not_outlive_a_killed_supervisor(server: RuntimeServer) -> No
     while any(running(pid) for pid in workers):
         assert time.monotonic() < deadline, "a worker outlived its supervisor"
         time.sleep(0.1)
+
+
+def test_a_version_removed_while_serving_fails_no_request(server: RuntimeServer, model_dir: Path) -> None:
+    """v2 (weight 10) leaves the config under load: its keys move to v1 in every worker, nothing fails."""
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    with Load(server.url) as load:
+        time.sleep(0.5)
+        config["versions"] = config["versions"][:1]
+        config["weights"] = {"v1": 100}
+        _write(model_dir, config)
+        deadline = time.monotonic() + 20
+        while any("v2" in _status(server.url)["versions"] for _ in range(4)):  # type: ignore[operator]
+            assert time.monotonic() < deadline, "v2 still listed"
+            time.sleep(0.1)
+        before = load.versions["v1"]
+        time.sleep(1.0)
+    assert set(load.codes) == {200}, load.codes
+    assert load.versions["v2"] > 0 and load.versions["v1"] > before  # v2 served, then its keys went to v1
