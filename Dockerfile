@@ -18,6 +18,7 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY common/ common/
 COPY runtime/ runtime/
 COPY operator/ operator/
 # A regular (non-editable) install: the final stage needs only /opt/venv, not /src.

@@ -153,7 +153,7 @@ def mnn_call(path: Path, x: np.ndarray) -> Callable[[], np.ndarray]:
 
 def convert(src: Path, dst: Path, problems: list[str]) -> bool:
     """``mnn-rollout convert SRC DST``; on failure records the problem and returns False."""
-    proc = subprocess.run([sys.executable, "-m", "mnn_runtime.cli", "convert", str(src), str(dst)],
+    proc = subprocess.run([sys.executable, "-m", "mnn_rollout.cli", "convert", str(src), str(dst)],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode == 0 and dst.is_file():
         return True

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mnn_runtime.examples import build_examples  # noqa: E402
-from mnn_runtime.router import RoutingTable  # noqa: E402
+from mnn_rollout.contract.routing import RoutingTable  # noqa: E402
 from tests.k8s.harness import EmulatorProcess  # noqa: E402
 from tests.k8s.kubelet import Kubelet  # noqa: E402
 from tests.operator.cluster import CRD, PEERING_CRD, Cluster, wait_for  # noqa: E402

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout_operator.local import LocalRuntime, free_port
+from mnn_rollout.local.net import free_port
+from mnn_rollout.local.process import LocalRuntime
 
 __all__ = ["RuntimeServer", "free_port"]
 

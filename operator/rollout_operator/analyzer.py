@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .analysis import Analysis, Sample, evaluate
+from .verdicts import Analysis, Sample, evaluate
 from .observe import Observation
 from .providers.base import SampleContext
 from .providers.factory import ProviderFactory

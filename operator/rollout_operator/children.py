@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mnn_runtime.config import RuntimeConfig, dump_config
-from mnn_runtime.config_source import CONFIG_KEY
+from mnn_rollout.contract.config import CONFIG_KEY, RuntimeConfig, dump_config
 
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, cpu_quantity
 

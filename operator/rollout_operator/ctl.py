@@ -115,33 +115,21 @@ def list_all(kube: KubeClient, namespace: str | None) -> int:
     return 0
 
 
-def add_commands(sub: Any) -> None:
-    """Register status/promote/abort/retry/pause/resume/list on an argparse subparsers object."""
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("name", help="the ModelDeployment")
-        p.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, else default)")
-
-    p = sub.add_parser("status", help="show a rollout as a tree; --watch follows it")
-    common(p)
-    p.add_argument("-w", "--watch", action="store_true", help="refresh until the rollout ends")
-    p.add_argument("--timeout", type=float, default=None, help="seconds to wait; exit 2 when it passes")
-    p.add_argument("-o", "--output", choices=["tree", "json"], default="tree")
-    p.set_defaults(ctl="status")
-    p = sub.add_parser("promote", help="move the canary to its next step (--full: straight to 100%%)")
-    common(p)
-    p.add_argument("--full", action="store_true", help="promote to 100%% now, skipping the remaining steps")
-    p.set_defaults(ctl="promote")
-    for name, text in (("abort", "roll the canary back to stable now"),
-                       ("retry", "restart a rolled-back canary from its first step"),
-                       ("pause", "freeze the rollout at its current weights (spec.paused)"),
-                       ("resume", "continue a paused rollout")):
-        p = sub.add_parser(name, help=text)
-        common(p)
-        p.set_defaults(ctl=name)
-    p = sub.add_parser("list", help="list ModelDeployments and their rollout state")
-    p.add_argument("-n", "--namespace", default=None)
-    p.add_argument("-A", "--all-namespaces", action="store_true")
-    p.set_defaults(ctl="list")
+def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """The arguments of one control command (its help lives in ``mnn_rollout.cli.CTL_COMMANDS``)."""
+    p.set_defaults(ctl=command)
+    if command == "list":
+        p.add_argument("-n", "--namespace", default=None)
+        p.add_argument("-A", "--all-namespaces", action="store_true")
+        return
+    p.add_argument("name", help="the ModelDeployment")
+    p.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, else default)")
+    if command == "status":
+        p.add_argument("-w", "--watch", action="store_true", help="refresh until the rollout ends")
+        p.add_argument("--timeout", type=float, default=None, help="seconds to wait; exit 2 when it passes")
+        p.add_argument("-o", "--output", choices=["tree", "json"], default="tree")
+    elif command == "promote":
+        p.add_argument("--full", action="store_true", help="promote to 100%% now, skipping the remaining steps")
 
 
 def current_namespace() -> str:
@@ -172,11 +160,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"modeldeployment.mnnrollout.io/{args.name} {args.ctl}{' --full' if getattr(args, 'full', False) else ''} "
           "requested")
     return 0
-
-
-def plugin_main(argv: list[str] | None = None) -> int:
-    """``kubectl mnn-rollout ...`` (the console script kubectl-mnn_rollout)."""
-    parser = argparse.ArgumentParser(prog="kubectl mnn-rollout", description="Steer MNN model rollouts.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_commands(sub)
-    return run(parser.parse_args(argv))

@@ -59,7 +59,7 @@ def observe(*, stopped: kopf.DaemonStopped, name: str, namespace: str | None, me
         started = time.monotonic()
         live = None
         try:
-            live = reconciler.kube.get("ModelDeployment", namespace, name)
+            live = reconciler.ports.read(namespace, name)
             if live is None:
                 return
             if not live.get("metadata", {}).get("deletionTimestamp"):

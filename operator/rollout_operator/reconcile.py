@@ -1,6 +1,8 @@
 """One reconcile of one ModelDeployment: observe, decide, write children, then status.
 
-Plain code with the Kubernetes client passed in, so kopf handlers, tests and the CLI share it.
+Plain code with its ports passed in (``ports.Ports``: the Kubernetes API in a cluster, a config
+file and a local process in ``mnn-rollout demo``), so kopf handlers, the e2e tests and the demo
+run this same loop.
 Order matters: children (the routing ConfigMap above all) are written before the status that
 describes them, so status never claims weights that are not being served. Nothing is written
 when nothing changed.
@@ -16,10 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import children
-from .analysis import Analysis
-from .kube import KubeClient
+from .verdicts import Analysis
 from .metrics import OperatorMetrics
-from .observe import Observation, pod_views, scrape
+from .observe import Observation
+from .ports import Ports
 from .rollout import ACTIONS, Event, World, decide, mark_invalid, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus
@@ -38,13 +40,14 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     children: dict[str, str] = field(default_factory=dict)
     wrote_status: bool = False
+    analysis: Analysis | None = None
 
 
 class Reconciler:
-    def __init__(self, kube: KubeClient, metrics: OperatorMetrics | None = None,
+    def __init__(self, ports: Ports, metrics: OperatorMetrics | None = None,
                  analyzer: Analyzer | None = None, clock: Callable[[], float] = time.time,
                  runtime_image: str = DEFAULT_IMAGE) -> None:
-        self.kube = kube
+        self.ports = ports
         self.runtime_image = runtime_image
         self.metrics = metrics or OperatorMetrics()
         self.analyzer = analyzer
@@ -64,7 +67,7 @@ class Reconciler:
         with self._lock(meta["uid"]):
             started = time.perf_counter()
             try:
-                live = self.kube.get("ModelDeployment", meta["namespace"], meta["name"])
+                live = self.ports.read(meta["namespace"], meta["name"])
                 if live is None or live["metadata"].get("uid") != meta["uid"]:
                     return None
                 outcome = self._reconcile(live)
@@ -90,8 +93,7 @@ class Reconciler:
 
         target = children.Target(name, namespace, children.owner_reference(body))
         model = spec.model_name(name)
-        views = pod_views(self.kube.list("Pod", namespace, children.selector_text(target)), spec.runtime.port)
-        observation = scrape(views, model)
+        observation = self.ports.observe_pods(target, spec.runtime.port, model)
         annotations = meta.get("annotations") or {}
         world = self._world(spec, status, observation, annotations)
         analysis = self._analyse(spec, status, body, observation, now)
@@ -105,12 +107,12 @@ class Reconciler:
 
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new))
-        written = self.kube.ensure_all(children.render_all(target, spec, config, self.runtime_image))
+        written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         first = not (body.get("status") or {}).get("observedGeneration")
         events.extend(self._child_events(first, status, new, written))
         wrote = self._write_status(body, new)
         self._count(namespace, name, status, new, analysis, events)
-        return Outcome(new, events, written, wrote)
+        return Outcome(new, events, written, wrote, analysis)
 
     def _world(self, spec: ModelDeploymentSpec, status: RolloutStatus, observation: Observation,
                annotations: dict[str, str]) -> World:
@@ -158,13 +160,11 @@ class Reconciler:
     def _write_status(self, body: dict[str, Any], new: RolloutStatus) -> bool:
         """Write the whole status, only when it changed, and only over the version it was decided
         from (resourceVersion precondition: a concurrent writer makes this a 409, retried later)."""
-        meta = body["metadata"]
         old = body.get("status") or {}
         desired = new.to_dict()
         if old == desired:
             return False
-        # PUT, not a merge patch: a merge patch would keep map keys (weights) that were removed.
-        self.kube.replace({**body, "status": desired}, subresource="status")
+        self.ports.store_status(body, desired)
         return True
 
     def _count(self, namespace: str, name: str, old: RolloutStatus, new: RolloutStatus,

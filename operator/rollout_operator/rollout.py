@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .analysis import Analysis
+from .verdicts import Analysis
 from .spec import ModelDeploymentSpec
 from .status import Phase, RolloutStatus, epoch, with_condition
 

@@ -9,14 +9,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-import kopf
-
 from .spec import DEFAULT_IMAGE
 
 log = logging.getLogger(__name__)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, command: str = "operator") -> None:
     env = os.environ.get
     p.add_argument("--namespace", action="append", default=[],
                    help="namespace to watch (repeatable); default: all namespaces")
@@ -46,11 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> int:
+    import kopf
+
     from . import main as _handlers  # noqa: F401  (registers the kopf handlers)
     from .alerts import AlertWebhook
     from .analyzer import Analyzer
     from .kube import KubeClient
     from .metrics import OperatorMetrics
+    from .ports import ClusterPorts
     from .providers.factory import ProviderFactory
     from .reconcile import Reconciler
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
     kube = KubeClient()
-    reconciler = Reconciler(kube, metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)),
+    reconciler = Reconciler(ClusterPorts(kube), metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)),
                             runtime_image=args.runtime_image)
     if args.webhook_port:
         if not args.webhook_token_file:

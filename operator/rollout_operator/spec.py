@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mnn_runtime.config import DNS1123_LABEL, VersionSpec, check_versions, format_validation_error
+from mnn_rollout.contract.config import DNS1123_LABEL, VersionSpec, check_versions, format_validation_error
 
 DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}

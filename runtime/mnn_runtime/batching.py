@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import BatchingSpec
+from mnn_rollout.contract.config import BatchingSpec
 from .model import LoadedModel
 
 Observe = Callable[[int], None]  # rows in a forward

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import ConfigError, RuntimeConfig, parse_config_text
+from mnn_rollout.contract.config import CONFIG_KEY, ConfigError, RuntimeConfig, parse_config_text
 from .kube import KubeAPI, KubeError
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,6 @@ class FileConfigSource:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-
-CONFIG_KEY = "runtime.yaml"
 
 
 def configmap_text(obj: dict[str, object], origin: str) -> str:

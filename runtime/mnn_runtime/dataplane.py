@@ -20,7 +20,7 @@ from . import __version__
 from . import binary as binary_ext
 from .batching import Batcher, batching_off_reason
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
-from .config import BatchingSpec
+from mnn_rollout.contract.config import BatchingSpec
 from .errors import BadRequest, InferenceError, ModelNotFound
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
 from .model import LoadedModel

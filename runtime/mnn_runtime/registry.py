@@ -14,11 +14,11 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RuntimeConfig, VersionSpec
+from mnn_rollout.contract.config import RuntimeConfig, VersionSpec
 from .errors import VersionNotFound, VersionNotReady
 from .metrics import RuntimeMetrics
 from .model import LoadedModel, ModelLoadError
-from .router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import uvicorn
 
-from .config import ConfigError, RuntimeConfig, dump_config, parse_config_text
+from mnn_rollout.contract.config import ConfigError, RuntimeConfig, dump_config, parse_config_text
 from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError

@@ -126,8 +126,8 @@ def code_needs() -> dict[Triple, list[str]]:
                             if k.arg == "subresource" and isinstance(k.value, ast.Constant)), None)
                 if call.args and isinstance(call.args[0], ast.Constant):
                     group, plural = group_resource(call.args[0].value)
-                elif method == "replace" and sub == "status" and path.name == "reconcile.py":
-                    group, plural = group_resource("ModelDeployment")  # _write_status: the MD's own status
+                elif method == "replace" and sub == "status" and path.name == "ports.py":
+                    group, plural = group_resource("ModelDeployment")  # store_status: the MD's own status
                 else:
                     raise AssertionError(f"{where}: cannot tell the kind; teach tests/helm/rbac.py")
                 add([(group, f"{plural}/{sub}" if sub else plural, VERB_OF_METHOD[method])], where)

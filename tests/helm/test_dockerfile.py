@@ -182,7 +182,7 @@ def test_dockerignore_keeps_the_context_small() -> None:
     for path in (".venv", ".git", "tests", "bench", "runtime/mnn_runtime/__pycache__", ".pytest_cache",
                  ".mypy_cache", "mnn_rollout.egg-info"):
         assert dockerignored(path, patterns), path
-    for path in ("pyproject.toml", "README.md", "runtime/mnn_runtime/cli.py", "operator/rollout_operator/main.py"):
+    for path in ("pyproject.toml", "README.md", "common/mnn_rollout/cli.py", "operator/rollout_operator/main.py"):
         assert not dockerignored(path, patterns), path
 
 
@@ -206,10 +206,10 @@ def test_example_models_are_built_in_the_builder_and_baked_where_the_examples_po
             assert name[:-4] in {e.name for e in EXAMPLES}, f"{example.name}: {uri} is not built"
 
 
-def _parser() -> argparse.ArgumentParser:
-    from mnn_runtime.cli import build_parser
+def _parser(command: str) -> argparse.ArgumentParser:
+    from mnn_rollout.cli import build_parser
 
-    return build_parser()
+    return build_parser(command)
 
 
 @pytest.mark.parametrize("sub", ["operator", "serve", "examples"])
@@ -233,7 +233,7 @@ def test_every_flag_the_chart_passes_is_accepted_by_the_operator(values: dict[st
     add_arguments(parser)
     parsed, unknown = parser.parse_known_args(args[1:])
     assert unknown == [], f"flags the operator does not know: {unknown}"
-    full = _parser().parse_args(args)  # and through the real console script's parser
+    full = _parser(args[0]).parse_args(args)  # and through the real console script's parser
     assert full.command == "operator"
     assert parsed.metrics_port == container["ports"][0]["containerPort"]
     assert parsed.namespace == values.get("watchNamespaces", [])
@@ -253,5 +253,5 @@ def test_the_runtime_pods_command_is_accepted_by_serve() -> None:
     stages = parse_dockerfile(DOCKERFILE.read_text())
     assert container["command"] == json.loads(stages[-1].of("ENTRYPOINT")[0].args)
     args = [a.replace("$(POD_NAMESPACE)", "default") for a in container["args"]]
-    parsed = _parser().parse_args(args)
+    parsed = _parser(args[0]).parse_args(args)
     assert parsed.command == "serve" and parsed.configmap == "default/scorer-routing"

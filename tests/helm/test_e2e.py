@@ -5,7 +5,7 @@ the rendered Deployment runs it, and roll a canary out with it.
 What differs from a pod, and why (everything else - command, every other arg, env - is taken from
 the rendered Deployment as is):
 
-* `mnn-rollout` runs as `python -m mnn_runtime.cli` from this checkout (as the kubelet stand-in
+* `mnn-rollout` runs as `python -m mnn_rollout.cli` from this checkout (as the kubelet stand-in
   does for runtime pods: no image here);
 * `--metrics-host`, `--webhook-host` and the host of `--liveness` 0.0.0.0 -> 127.0.0.1, and
   `--metrics-port`, `--webhook-port` and the port of `--liveness` -> free ports (tests run in
@@ -53,7 +53,7 @@ pytestmark = pytest.mark.timeout(180)
 # watches the namespace the rollout helpers use.
 INSTALLS: dict[str, dict[str, Any]] = {"cluster-wide": {}, "namespaced": {"watchNamespaces": ["default"]}}
 OPERATOR_AGENTS = ("kopf/", "mnn-rollout-operator/")
-COMMANDS = {"mnn-rollout": [sys.executable, "-m", "mnn_runtime.cli"]}
+COMMANDS = {"mnn-rollout": [sys.executable, "-m", "mnn_rollout.cli"]}
 
 
 def _with_value(arg: str, value: str) -> str:

@@ -12,7 +12,7 @@ never 127.0.0.1), mirroring them as Pod objects whose status it keeps up to date
 
 Simulated (close to a real cluster):
 * containers -> processes: ``command`` (else ``entrypoint``, default ``["mnn-rollout"]``) + ``args``
-  with ``$(VAR)`` expanded from the container env; ``mnn-rollout`` -> ``python -m mnn_runtime.cli``,
+  with ``$(VAR)`` expanded from the container env; ``mnn-rollout`` -> ``python -m mnn_rollout.cli``,
   ``python*`` -> this interpreter (``commands=`` maps more); ``--host X`` / ``--host=X`` is rewritten
   to the pod IP. Env: ``env`` (``value``, ``fieldRef`` metadata.name/namespace/uid/labels/annotations,
   spec.nodeName/serviceAccountName, status.podIP/hostIP, ``configMapKeyRef``/``secretKeyRef``,
@@ -55,7 +55,7 @@ from typing import Any
 
 from .kubelet_pods import FINALIZER, IPAllocator, Pod, Timing, now_iso, random_suffix, template_hash
 
-DEFAULT_COMMANDS = {'mnn-rollout': [sys.executable, '-m', 'mnn_runtime.cli']}
+DEFAULT_COMMANDS = {'mnn-rollout': [sys.executable, '-m', 'mnn_rollout.cli']}
 ROOT = Path(__file__).resolve().parents[2]
 
 

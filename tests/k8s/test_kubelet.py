@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mnn_runtime.router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 
 from .harness import EmulatorProcess
 from .kubelet import Kubelet

@@ -56,7 +56,7 @@ class OperatorProcess:
 
     def start(self) -> OperatorProcess:
         env = dict(self.emu.env(), PYTHONUNBUFFERED="1")
-        args = [sys.executable, "-m", "mnn_runtime.cli", "operator", "--namespace", "default",
+        args = [sys.executable, "-m", "mnn_rollout.cli", "operator", "--namespace", "default",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
                 "--webhook-host", "127.0.0.1", "--webhook-port", str(self.webhook_port),
                 "--webhook-token-file", str(self.token_file), "--resync-seconds", "1", *self.extra]

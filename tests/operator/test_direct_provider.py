@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_operator.analysis import FAIL, INCONCLUSIVE, PASS, evaluate
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, evaluate
 from rollout_operator.providers.base import SampleContext
 from rollout_operator.providers.direct import DirectProvider, quantile
 from rollout_operator.spec import AnalysisSpec

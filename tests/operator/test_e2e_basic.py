@@ -9,7 +9,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from mnn_runtime.router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 from tests.operator.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from rollout_operator.analysis import FAIL, INCONCLUSIVE, PASS, Sample, evaluate
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Sample, evaluate
 from rollout_operator.providers.base import SampleContext
 from rollout_operator.providers.factory import ProviderFactory
 from rollout_operator.providers.prometheus import PrometheusProvider

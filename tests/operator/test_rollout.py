@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rollout_operator.analysis import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult
 from rollout_operator.rollout import World, decide, hold_unready, mark_invalid, routed_versions
 from rollout_operator.spec import parse_spec
 from rollout_operator.status import Phase, RolloutStatus, condition, iso

@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mnn_runtime.batching import Batcher, batching_off_reason
-from mnn_runtime.config import BatchingSpec, ConfigError, parse_config
+from mnn_rollout.contract.config import BatchingSpec, ConfigError, parse_config
 from mnn_runtime.dataplane import DataPlane
 from mnn_runtime.errors import InferenceFailed
 from mnn_runtime.examples import FEATURES

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mnn_runtime.config import load_config_file
+from mnn_rollout.contract.config import load_config_file
 from mnn_runtime.model import LoadedModel, file_sha256
 
-CLI = [sys.executable, "-m", "mnn_runtime.cli"]
+CLI = [sys.executable, "-m", "mnn_rollout.cli"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mnn_runtime.config import ConfigError, dump_config, load_config_file, parse_config, parse_config_text
+from mnn_rollout.contract.config import ConfigError, dump_config, load_config_file, parse_config, parse_config_text
 
 GOOD = {
     "model": "scorer",

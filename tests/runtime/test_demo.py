@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from mnn_runtime.config import load_config_file
-from rollout_operator.local import LocalRollout, LocalRuntime, Traffic
+from mnn_rollout.contract.config import load_config_file
+from mnn_rollout.demo.ports import LocalRollout
+from mnn_rollout.local.process import LocalRuntime
+from mnn_rollout.local.traffic import Traffic
 from rollout_operator.status import Phase
 
-CLI = [sys.executable, "-m", "mnn_runtime.cli", "demo"]
+CLI = [sys.executable, "-m", "mnn_rollout.cli", "demo"]
 
 
 def demo(tmp_path: Path, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
@@ -108,8 +110,9 @@ def test_local_rollout_drives_decide_and_the_config_file_in_process(model_dir: P
         traffic.stop()
         assert runtime.stop() == 0
     assert final.phase == Phase.SUCCEEDED and not rollout.timed_out
-    assert [e.reason for _, e in rollout.events] == ["RolloutStarted", "StepStarted", "RolloutPromoted",
-                                                     "RolloutSucceeded"]
+    # the operator's own reconcile loop: its child and version events come along
+    assert [e.reason for _, e in rollout.events] == ["RolloutStarted", "ChildrenCreated", "StepStarted",
+                                                     "RolloutPromoted", "RolloutSucceeded", "VersionsChanged"]
     phases = [st.phase for _, st in rollout.history]
     assert phases.index(Phase.PROGRESSING) < phases.index(Phase.PROMOTING) < phases.index(Phase.SUCCEEDED)
     assert [st.weights for _, st in rollout.history if st.phase == Phase.PROGRESSING][-1] == {"v1": 50, "v2": 50}

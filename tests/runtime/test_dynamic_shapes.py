@@ -15,7 +15,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from mnn_runtime.config import ConfigError, parse_config
+from mnn_rollout.contract.config import ConfigError, parse_config
 from mnn_runtime.convert import convert
 from mnn_runtime.model import LoadedModel, ModelLoadError
 

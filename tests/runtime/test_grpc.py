@@ -24,7 +24,7 @@ from mnn_runtime.grpc_server import GrpcThread, serve_with_uvicorn
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from mnn_runtime.model import LoadedModel
-from mnn_runtime.router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 from mnn_runtime.server import Runtime, build_runtime
 
 HOST = "127.0.0.1"

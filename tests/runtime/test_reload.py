@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from mnn_runtime.router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 from tests.runtime_server import RuntimeServer
 
 INFER = "/v2/models/scorer/infer"

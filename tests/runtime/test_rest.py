@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mnn_runtime.model import LoadedModel
-from mnn_runtime.router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 from tests.runtime_server import RuntimeServer
 
 INFER = "/v2/models/scorer/infer"

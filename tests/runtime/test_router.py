@@ -10,7 +10,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mnn_runtime.router import BUCKETS, RoutingTable, bucket_of
+from mnn_rollout.contract.routing import BUCKETS, RoutingTable, bucket_of
 
 KEYS = [f"user-{i}" for i in range(100_000)]
 
@@ -73,7 +73,7 @@ def test_unavailable_versions_are_served_by_the_fallback_in_their_own_buckets() 
 
 def test_the_same_key_maps_to_the_same_version_in_two_separate_processes() -> None:
     script = (
-        "from mnn_runtime.router import RoutingTable\n"
+        "from mnn_rollout.contract.routing import RoutingTable\n"
         "t = RoutingTable.build('scorer', ['v1', 'v2'], {'v1': 70, 'v2': 30}, 'v1')\n"
         "print(''.join('1' if t.route(f'user-{i}') == 'v1' else '2' for i in range(5000)))\n"
     )

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from mnn_runtime.router import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable
 from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
@@ -241,7 +241,7 @@ def test_a_version_added_while_serving_is_loaded_once_and_workers_are_replaced(
 
 
 def test_a_worker_lists_a_version_the_supervisor_is_loading_as_pending(model_dir: Path) -> None:
-    from mnn_runtime.config import parse_config
+    from mnn_rollout.contract.config import parse_config
     from mnn_runtime.metrics import RuntimeMetrics
     from mnn_runtime.registry import PENDING, Registry
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..analysis import Sample
+from ..verdicts import Sample
 from ..spec import MetricSpec
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..analysis import Sample
+from ..verdicts import Sample
 from .base import QUANTILES, SampleContext
 
 REQUESTS = "mnn_inference_requests_total"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from ..analysis import Sample
+from ..verdicts import Sample
 from .base import QUANTILES, SampleContext
 
 SELECTOR = 'model="{model}",version="{version}"'

@@ -12,9 +12,11 @@ import sys
 import time
 from typing import TextIO
 
-from .analysis import FAIL, INCONCLUSIVE, PASS, Analysis
-from .local import LocalRollout, Tick, Traffic, VersionStats
-from .status import Phase
+from mnn_rollout.local.traffic import Traffic, VersionStats
+from rollout_operator.status import Phase
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Analysis
+
+from .ports import LocalRollout, Tick
 
 BAR = 28
 OUTCOMES = {Phase.SUCCEEDED: "promoted", Phase.ROLLED_BACK: "rolled back", Phase.FAILED: "failed"}

@@ -1,8 +1,8 @@
 """``mnn-rollout demo``: a canary rollout with no cluster.
 
-The operator's state machine (``rollout_operator.rollout.decide``) drives a real runtime process
-(real MNN, real HTTP, on loopback) through a canary rollout while a traffic generator plays many
-users. Scenarios:
+The operator's reconcile loop (``rollout_operator.reconcile.Reconciler``, through the local ports
+of ``ports.py``) drives a real runtime process (real MNN, real HTTP, on loopback) through a canary
+rollout while a traffic generator plays many users. Scenarios:
 
 - ``promote`` (default): canary ``v2``, a healthy retrain: promoted step by step.
 - ``breaking``: canary ``v2-breaking`` expects 80 features, v1-shaped requests fail: rolled back
@@ -14,6 +14,7 @@ Exit code 0 only when the outcome is the expected one.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -22,7 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .examples import build_examples
+from mnn_rollout.local.process import LocalRuntime
+from mnn_rollout.local.traffic import Traffic
+from mnn_runtime.examples import build_examples
+
+from .ports import LocalRollout
+from .view import View, outcome, summary
 
 
 @dataclass(frozen=True)
@@ -85,9 +91,6 @@ def demo_spec(scenario: Scenario, sums: dict[str, str], step_seconds: float = 5.
 def run_demo(scenario: str = "promote", step_seconds: float = 5.0, workdir: str | None = None,
              rate: float = 300.0, users: int = 2000, time_limit: float = 100.0, out: TextIO | None = None,
              tty: bool | None = None) -> int:
-    from rollout_operator.local import LocalRollout, LocalRuntime, Traffic
-    from rollout_operator.local_view import View, outcome, summary
-
     out = out or sys.stdout
     chosen = SCENARIOS[scenario]
     started = time.monotonic()
@@ -133,6 +136,31 @@ def run_demo(scenario: str = "promote", step_seconds: float = 5.0, workdir: str 
                   f"{'' if workdir else ' (removed with the temp dir)'}\n")
         out.flush()
         return 0 if result == chosen.expect and applied and code == 0 else 1
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser, command: str = "demo") -> None:
+    p.add_argument("--scenario", choices=list(SCENARIOS), default="promote",
+                   help="promote: healthy v2 is promoted (default); breaking: v2-breaking fails requests and is "
+                        "rolled back; slow: v2-slow is a latency regression and is rolled back")
+    p.add_argument("--step-seconds", type=_positive, default=5.0, help="pause of each step (default 5)")
+    p.add_argument("--rate", type=_positive, default=300.0, help="requests/s of all users together (default 300)")
+    p.add_argument("--users", type=lambda t: int(_positive(t)), default=2000, help="distinct user ids (default 2000)")
+    p.add_argument("--time-limit", type=_positive, default=100.0,
+                   help="give up on the rollout after this many seconds (default 100)")
+    p.add_argument("--workdir", default=None, help="where to build models and write the runtime config "
+                                                   "(default: a temp dir)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    return run_demo(scenario=args.scenario, step_seconds=args.step_seconds, workdir=args.workdir, rate=args.rate,
+                    users=args.users, time_limit=args.time_limit)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
+# The data key of the routing ConfigMap that holds the runtime config YAML.
+CONFIG_KEY = "runtime.yaml"
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,66 @@
+"""Small things every local run needs: a free port, a bounded wait, a loopback check, an atomic
+file write. One of each, shared by the demo, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+
+
+def require_loopback(host: str) -> str:
+    """``host`` when it is a loopback address (127.0.0.0/8); local load never goes elsewhere."""
+    try:
+        ok = ipaddress.ip_address(host) in LOOPBACK
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{host!r}: local runs only talk to loopback addresses (127.0.0.0/8)")
+    return host
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05,
+             retry_on: tuple[type[BaseException], ...] = (AssertionError,)) -> T:
+    """Call ``check`` until it returns something truthy, and return that; raise AssertionError
+    naming ``what`` and the last value (or exception) after ``timeout`` seconds. Exceptions of the
+    ``retry_on`` types count as "not yet"."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except retry_on as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} not met within {timeout:g} s (last: {last!r})")
+        time.sleep(interval)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file another process follows: a temp file beside it, then one rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
