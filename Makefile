@@ -3,11 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps bench-deps demo test bench lint clean
+.PHONY: install install-demo system-deps bench-deps demo test bench lint clean
 
+# Everything: the package with the test and dev extras (what `make test` needs).
 install: $(STAMP)
+
+# The demo needs the package and onnx (the `dev` extra builds the example models), nothing more.
+install-demo: $(DEMO_STAMP)
 
 # Real Prometheus and Alertmanager for the tests (Debian packages; no service is started).
 system-deps:
@@ -21,7 +26,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test,dev]"
 	touch $(STAMP)
 
-demo: install
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(DEMO_STAMP)
+
+demo: install-demo
 	$(BIN)/mnn-rollout demo
 
 # The gRPC tests run in their own interpreter: grpc's C core beside gevent (which tritonclient.http
@@ -38,6 +49,7 @@ bench-deps: install
 	$(BIN)/python -m pip install --quiet -e ".[test,dev,bench]"
 
 bench: bench-deps system-deps
+	$(BIN)/python bench/serve_startup.py --before 9692ef1
 	$(BIN)/python bench/runtime_overhead.py
 	$(BIN)/python bench/throughput.py --seconds 3
 	$(BIN)/python bench/batching.py
