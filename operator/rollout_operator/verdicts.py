@@ -120,14 +120,19 @@ def _evaluate_metric(metric: MetricSpec, canary: Sample, stable: Sample | None) 
 
 
 def evaluate(spec: AnalysisSpec, canary: Sample, stable: Sample | None, now: float) -> Analysis:
-    """One check. Fewer than minRequests canary requests: inconclusive, whatever the metrics say."""
+    """One check. No canary request count, or fewer than minRequests: inconclusive, whatever the
+    metrics say (a custom query that answers with no traffic, ``... or vector(0)``, passes nothing)."""
     if canary.error is not None:
         return Analysis(now, INCONCLUSIVE, (), None, f"no data: {canary.error}")
     results: list[MetricResult] = []
     for metric in spec.metrics:
         results.extend(_evaluate_metric(metric, canary, stable))
     requests = canary.requests
-    if requests is not None and requests < spec.min_requests:
+    if requests is None:
+        return Analysis(now, INCONCLUSIVE, tuple(results), None,
+                        "no canary request count (no series, or a pod could not be scraped): no verdict without "
+                        "evidence")
+    if requests < spec.min_requests:
         return Analysis(now, INCONCLUSIVE, tuple(results), requests,
                         f"only {requests:g} canary requests in the interval (minRequests {spec.min_requests})")
     verdicts = {r.verdict for r in results}

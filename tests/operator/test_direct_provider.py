@@ -117,15 +117,20 @@ def test_a_restarted_pod_is_a_counter_reset_and_never_gives_negative_deltas(pods
     assert samples["v2"].latency["p50"] is not None and samples["v2"].latency["p50"] > 0
 
 
-def test_an_unreachable_pod_is_skipped_and_the_others_are_still_counted(pods: list[RuntimeServer]) -> None:
+def test_an_unreachable_pod_makes_the_sample_inconclusive_naming_it(pods: list[RuntimeServer]) -> None:
     provider = DirectProvider(timeout=1.0)
     gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
     urls = [pods[0].url, gone]
     provider.sample(ctx(*urls))
-    send(pods[0].url, "v2", good=4, bad=2)
+    send(pods[0].url, "v2", good=40)
     samples = provider.sample(ctx(*urls))
-    assert samples["v2"].error is None
-    assert counts(samples, "v2") == (6, 2)
+    # the requests the missing pod served went uncounted: no request count, so no verdict
+    assert samples["v2"].error is not None and gone in samples["v2"].error and samples["v2"].requests is None
+    analysis = evaluate(AnalysisSpec(minRequests=1), samples["v2"], samples["v1"], now=0.0)
+    assert analysis.verdict == INCONCLUSIVE
+    # the pod that answered is counted again once every pod answers
+    send(pods[0].url, "v2", good=4, bad=2)
+    assert counts(provider.sample(ctx(pods[0].url)), "v2") == (6, 2)
 
 
 def test_all_pods_unreachable_gives_an_error_sample_naming_them(pods: list[RuntimeServer]) -> None:
@@ -238,7 +243,8 @@ def test_a_pod_missed_by_one_scrape_is_not_counted_with_its_whole_history(pods: 
     send(urls[0], "v2", good=5, bad=5)  # history: errors long before this rollout's interval
     provider.sample(ctx(*urls))
     blip.add(urls[0])
-    assert provider.sample(ctx(*urls))["v2"].error is None  # pods[1] answered
+    missed = provider.sample(ctx(*urls))["v2"]  # pods[1] answered, pods[0] did not: no verdict
+    assert missed.error is not None and urls[0] in missed.error and missed.requests is None
     blip.clear()
     send(urls[0], "v2", good=2)
     assert counts(provider.sample(ctx(*urls)), "v2") == (2, 0)

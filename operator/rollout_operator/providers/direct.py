@@ -4,7 +4,8 @@ Counters and histogram buckets are summed across pods; the analysis interval's v
 deltas since the previous scrape of the same pod. The first scrape of an object only sets the
 baseline. A pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted:
 its counters began again at 0, so their current values are the interval's. A pod missed by one
-scrape keeps its baseline for the next.
+scrape keeps its baseline for the next, and makes this interval's sample an error (inconclusive):
+its requests went uncounted, so the interval has no request count.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ class DirectProvider:
                 del self._previous[stale]  # an earlier rollout of the same object
         if previous is None:
             return {v: Sample(error="baseline taken; values from the next interval") for v in ctx.versions}
-        if not current:
-            return {v: Sample(error="; ".join(errors) or "no pod answered") for v in ctx.versions}
+        if errors or not current:
+            # A pod that did not answer served traffic nobody counted: no request count, no verdict.
+            return {v: Sample(error="not every pod could be scraped: " + ("; ".join(errors) or "no pod answered"))
+                    for v in ctx.versions}
         delta: dict[tuple[str, str, str], float] = defaultdict(float)
         for url, series in current.items():
             before = previous[1].get(url, {})
