@@ -18,6 +18,7 @@ DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 BUILTIN_METRICS = ("error-rate", "latency-p50", "latency-p95", "latency-p99")
 DEFAULT_IMAGE = "ghcr.io/mnn-rollout/mnn-rollout:0.1.0"
+METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
 class SpecError(ValueError):
@@ -83,14 +84,24 @@ class MetricSpec(_Model):
     min: float | None = None
     max_error_rate_increase: float | None = Field(default=None, alias="maxErrorRateIncrease", ge=0)
     max_latency_ratio: float | None = Field(default=None, alias="maxLatencyRatio", ge=0)
-    query: str | None = None
+    query: str | None = None  # PromQL (prometheus provider)
+    metric: str | None = None  # a series on the runtime pods' /metrics (either provider)
+    labels: dict[str, str] = Field(default_factory=dict)  # more exact label matchers for ``metric``
+    per_request: bool = Field(default=False, alias="perRequest")
 
     @model_validator(mode="after")
     def _shape(self) -> MetricSpec:
-        if self.name not in BUILTIN_METRICS and not self.query:
+        if self.name not in BUILTIN_METRICS and not self.query and not self.metric:
             raise ValueError(
-                f"metric {self.name!r} is not built in ({', '.join(BUILTIN_METRICS)}) and has no query"
+                f"metric {self.name!r} is not built in ({', '.join(BUILTIN_METRICS)}) and has neither query "
+                "(PromQL) nor metric (a series the runtime pods export)"
             )
+        if self.query and self.metric:
+            raise ValueError(f"metric {self.name!r}: set either query (PromQL) or metric (a series name), not both")
+        if self.metric is not None and not METRIC_NAME.match(self.metric):
+            raise ValueError(f"metric {self.name!r}: {self.metric!r} is not a Prometheus metric name")
+        if self.name in BUILTIN_METRICS and (self.query or self.metric):
+            raise ValueError(f"metric {self.name!r} is built in: it takes no query or metric; give a custom name")
         if self.max is None and self.min is None and self.max_error_rate_increase is None \
                 and self.max_latency_ratio is None:
             raise ValueError(f"metric {self.name!r} needs a threshold: max, min, maxErrorRateIncrease "
@@ -109,6 +120,16 @@ class AnalysisSpec(_Model):
     provider: ProviderSpec = Field(default_factory=ProviderSpec)
     metrics: list[MetricSpec] = Field(default_factory=lambda: [MetricSpec(name="error-rate", max=0.05)])
 
+    @model_validator(mode="after")
+    def _provider_can_read_every_metric(self) -> AnalysisSpec:
+        if self.provider.type == "direct":
+            for i, m in enumerate(self.metrics):
+                if m.query:
+                    raise ValueError(
+                        f"metrics.{i}.query: {m.query!r} is PromQL, which the direct provider cannot run; set "
+                        "provider.type: prometheus, or name a series the pods export with metric (and labels)")
+        return self
+
     @field_validator("interval")
     @classmethod
     def _interval(cls, value: str) -> str:
@@ -123,7 +144,8 @@ class AnalysisSpec(_Model):
 
 class StrategySpec(_Model):
     steps: list[Step] = Field(
-        default_factory=lambda: [Step(weight=10, pause="30s"), Step(weight=50, pause="30s")], max_length=50
+        default_factory=lambda: [Step(weight=10, pause="30s"), Step(weight=50, pause="30s")], min_length=1,
+        max_length=50,
     )
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
     scale_down_delay_seconds: float = Field(default=30, ge=0, alias="scaleDownDelaySeconds")
@@ -183,6 +205,11 @@ class ModelDeploymentSpec(_Model):
             raise ValueError("weights and canary: set either weights (a static split) or canary, not both")
         if self.canary is not None and self.canary == self.stable:
             raise ValueError(f"canary: {self.canary!r} is also the stable version; choose another version")
+        interval = self.strategy.analysis.interval_seconds
+        if self.canary is not None and self.progress_deadline_seconds <= interval:
+            raise ValueError(f"progressDeadlineSeconds: {self.progress_deadline_seconds} is not longer than "
+                             f"strategy.analysis.interval ({self.strategy.analysis.interval}): no step could ever "
+                             "be analysed before the deadline")
         return self
 
     def model_name(self, default: str) -> str:

@@ -284,3 +284,45 @@ def test_a_new_rollout_of_the_same_object_takes_a_fresh_baseline(pods: list[Runt
     send(url, "v2", good=3)
     assert counts(provider.sample(retried), "v2") == (3, 0)
     assert list(provider._previous) == ["uid-1@200.0"]
+
+
+# -- custom metrics: a series the pods export, by name and label matchers ------------------------
+
+
+def test_a_custom_counter_is_its_increase_summed_over_pods_and_per_request_divides_by_requests(
+        pods: list[RuntimeServer]) -> None:
+    from rollout_operator.spec import MetricSpec
+
+    metrics = (MetricSpec(name="client-errors", metric="mnn_inference_requests_total",
+                          labels={"outcome": "client_error"}, max=5),
+               MetricSpec(name="client-error-ratio", metric="mnn_inference_requests_total",
+                          labels={"outcome": "client_error"}, perRequest=True, max=0.1),
+               MetricSpec(name="absent", metric="mnn_no_such_series_total", max=1))
+    urls = [p.url for p in pods]
+    provider = DirectProvider()
+    context = SampleContext(key="uid-custom", namespace="default", name="scorer", model="scorer",
+                            versions=VERSIONS, interval_seconds=10, metrics=metrics, pod_urls=tuple(urls))
+    provider.sample(context)
+    send(urls[0], "v2", good=6, bad=2)
+    send(urls[1], "v2", good=3, bad=1)
+    samples = provider.sample(context)
+    assert samples["v2"].custom["client-errors"] == 3
+    assert samples["v2"].custom["client-error-ratio"] == pytest.approx(3 / 12)
+    assert samples["v2"].custom["absent"] is None  # no pod exports it: no value, never a pass
+    assert samples["v1"].custom["client-error-ratio"] is None  # no v1 requests: nothing to divide by
+    analysis = evaluate(AnalysisSpec(minRequests=1, metrics=list(metrics[:2])), samples["v2"], samples["v1"], now=0.0)
+    assert analysis.verdict == FAIL and {m.name: m.verdict for m in analysis.metrics} == {
+        "client-errors": PASS, "client-error-ratio": FAIL}
+
+
+def test_a_custom_gauge_is_its_current_value_summed_over_pods(pods: list[RuntimeServer]) -> None:
+    from rollout_operator.spec import MetricSpec
+
+    loaded = MetricSpec(name="pods-with-v2", metric="mnn_version_loaded", min=2)
+    context = SampleContext(key="uid-gauge", namespace="default", name="scorer", model="scorer",
+                            versions=VERSIONS, interval_seconds=10, metrics=(loaded,),
+                            pod_urls=tuple(p.url for p in pods))
+    provider = DirectProvider()
+    provider.sample(context)
+    samples = provider.sample(context)
+    assert samples["v2"].custom["pods-with-v2"] == 2  # loaded (1) on each of the two pods

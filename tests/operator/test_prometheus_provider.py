@@ -77,6 +77,9 @@ def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             pod.stop()
 
 
+PROVIDER = {"type": "prometheus", "address": "http://127.0.0.1:9090"}
+
+
 def ctx(model: str = "scorer", versions: tuple[str, ...] = ("v2", "v1", "v2-breaking"),
         metrics: tuple[MetricSpec, ...] = ()) -> SampleContext:
     return SampleContext(key="uid-1", namespace="default", name="scorer", model=model, versions=versions,
@@ -116,12 +119,26 @@ def test_a_custom_metric_query_gets_model_version_and_interval_filled_in(stack: 
     samples = PrometheusProvider(stack.prometheus.url).sample(ctx(metrics=metrics))
     assert samples["v2"].custom == {"server-errors": 0.0, "pods-loaded": 2.0, "targets": 2.0}
     assert samples["v1"].custom["pods-loaded"] == 2.0
-    spec = AnalysisSpec.model_validate({"minRequests": 10, "metrics": [
+    spec = AnalysisSpec.model_validate({"minRequests": 10, "provider": PROVIDER, "metrics": [
         {"name": "error-rate", "max": 0.25}, {"name": "server-errors", "query": SERVER_ERRORS, "max": 0},
         {"name": "pods-loaded", "query": "x", "min": 2}]})
     analysis = evaluate(spec, samples["v2"], samples["v1"], now=0.0)
     assert analysis.verdict == PASS, analysis
     assert [m.verdict for m in analysis.metrics] == [PASS, PASS, PASS]
+
+
+def test_a_custom_metric_named_by_series_and_labels_reads_like_the_direct_provider(stack: Stack) -> None:
+    metrics = (MetricSpec(name="pods-loaded", metric="mnn_version_loaded", min=2),
+               MetricSpec(name="client-errors", metric="mnn_inference_requests_total",
+                          labels={"outcome": "client_error"}, max=0),
+               MetricSpec(name="client-error-ratio", metric="mnn_inference_requests_total",
+                          labels={"outcome": "client_error"}, perRequest=True, max=0.5))
+    samples = PrometheusProvider(stack.prometheus.url).sample(ctx(metrics=metrics))
+    assert samples["v2"].custom["pods-loaded"] == 2.0  # a gauge: its current value, summed over the pods
+    good, bad = TRAFFIC["v2"]
+    assert samples["v2"].custom["client-errors"] == pytest.approx(2 * bad, rel=0.35)  # increase(), extrapolated
+    assert samples["v2"].custom["client-error-ratio"] == pytest.approx(bad / (good + bad), rel=0.05)
+    assert samples["v2-breaking"].custom["client-error-ratio"] == pytest.approx(1.0)
 
 
 def test_evaluate_on_prometheus_samples_fails_breaches_and_holds_on_too_few_requests(stack: Stack) -> None:
@@ -148,7 +165,7 @@ def test_a_query_returning_nothing_gives_none_values_and_an_inconclusive_verdict
     assert sample.requests is None and sample.errors is None
     assert sample.latency == {"p50": None, "p95": None, "p99": None}
     assert sample.custom == {"server-errors": None}
-    spec = AnalysisSpec.model_validate({"minRequests": 0, "metrics": [
+    spec = AnalysisSpec.model_validate({"minRequests": 0, "provider": PROVIDER, "metrics": [
         {"name": "error-rate", "max": 0.01}, {"name": "latency-p99", "max": 1},
         {"name": "server-errors", "query": SERVER_ERRORS, "max": 0}]})
     analysis = evaluate(spec, sample, samples["v1"], now=0.0)

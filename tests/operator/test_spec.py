@@ -106,3 +106,47 @@ def test_durations_parse_like_kubernetes_durations() -> None:
     assert parse_duration("1h30m") == 5400 and parse_duration("500ms") == 0.5 and parse_duration("2.5s") == 2.5
     with pytest.raises(ValueError, match="'5 minutes' is not a duration"):
         parse_duration("5 minutes")
+
+
+CANARY = {**BASE, "canary": "v2"}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"strategy": {"steps": []}}, "spec.strategy.steps: List should have at least 1 item"),
+        ({"strategy": {"analysis": {"metrics": [{"name": "conv", "query": "sum(x)", "max": 1}]}}},
+         "spec.strategy.analysis.metrics.0.query: 'sum(x)' is PromQL, which the direct provider cannot run"),
+        ({"strategy": {"analysis": {"provider": {"type": "prometheus", "address": "http://p:9090"}, "metrics": [
+            {"name": "conv", "query": "sum(x)", "metric": "x_total", "max": 1}]}}}, "either query (PromQL) or metric"),
+        ({"strategy": {"analysis": {"metrics": [{"name": "conv", "metric": "not a name", "max": 1}]}}},
+         "'not a name' is not a Prometheus metric name"),
+        ({"strategy": {"analysis": {"metrics": [{"name": "error-rate", "metric": "x_total", "max": 1}]}}},
+         "metric 'error-rate' is built in"),
+        ({"progressDeadlineSeconds": 10, "strategy": {"analysis": {"interval": "30s"}}},
+         "spec.progressDeadlineSeconds: 10 is not longer than strategy.analysis.interval (30s)"),
+    ],
+)
+def test_impossible_rollouts_are_refused_naming_the_field(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**CANARY, **change})
+    assert message in str(info.value), str(info.value)
+
+
+def test_the_crd_refuses_empty_steps_and_a_metric_with_both_query_and_metric() -> None:
+    def md(spec: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"},
+                "spec": spec}
+
+    assert validate(md({**CANARY, "strategy": {"steps": [{"weight": 10}]}}), SCHEMA) == []
+    assert [path for path, _ in validate(md({**CANARY, "strategy": {"steps": []}}), SCHEMA)] == ["spec.strategy.steps"]
+    both = {"analysis": {"metrics": [{"name": "c", "query": "q", "metric": "x_total", "max": 1}]}}
+    assert any("either query" in message for _, message in validate(md({**CANARY, "strategy": both}), SCHEMA))
+
+
+def test_a_direct_custom_metric_by_series_name_is_accepted() -> None:
+    spec = parse_spec({**CANARY, "strategy": {"analysis": {"metrics": [
+        {"name": "conversion", "metric": "mnn_feedback_value_sum", "labels": {"kind": "click"}, "perRequest": True,
+         "min": 0.02}]}}})
+    metric = spec.strategy.analysis.metrics[0]
+    assert (metric.metric, metric.labels, metric.per_request) == ("mnn_feedback_value_sum", {"kind": "click"}, True)

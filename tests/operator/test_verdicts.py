@@ -15,7 +15,8 @@ def spec(**fields: Any) -> AnalysisSpec:
 
 
 STABLE = Sample(requests=1000, errors=1, latency={"p50": 0.01, "p99": 0.05})
-CUSTOM = [{"name": "conversion", "query": "sum(x{version='{version}'}) or vector(0)", "max": 0.5}]
+CUSTOM = {"provider": {"type": "prometheus", "address": "http://127.0.0.1:9090"},
+          "metrics": [{"name": "conversion", "query": "sum(x{version='{version}'}) or vector(0)", "max": 0.5}]}
 
 
 @pytest.mark.parametrize("analysis, canary, verdict, says", [
@@ -26,10 +27,10 @@ CUSTOM = [{"name": "conversion", "query": "sum(x{version='{version}'}) or vector
     ({}, Sample(requests=None, errors=0), INCONCLUSIVE, "no canary request count"),
     ({"minRequests": 0}, Sample(requests=None, errors=0), INCONCLUSIVE, "no canary request count"),
     # a custom query written `... or vector(0)` answers 0 with no traffic: held, not passed
-    ({"metrics": CUSTOM}, Sample(requests=None, custom={"conversion": 0.0}), INCONCLUSIVE, "no canary request count"),
-    ({"metrics": CUSTOM}, Sample(requests=0, custom={"conversion": 0.0}), INCONCLUSIVE, "only 0 canary requests"),
-    ({"metrics": CUSTOM}, Sample(requests=50, custom={"conversion": 0.1}), PASS, ""),
-    ({"metrics": CUSTOM}, Sample(requests=50, custom={"conversion": None}), INCONCLUSIVE, ""),
+    (CUSTOM, Sample(requests=None, custom={"conversion": 0.0}), INCONCLUSIVE, "no canary request count"),
+    (CUSTOM, Sample(requests=0, custom={"conversion": 0.0}), INCONCLUSIVE, "only 0 canary requests"),
+    (CUSTOM, Sample(requests=50, custom={"conversion": 0.1}), PASS, ""),
+    (CUSTOM, Sample(requests=50, custom={"conversion": None}), INCONCLUSIVE, ""),
     ({}, Sample(error="prometheus unreachable"), INCONCLUSIVE, "no data: prometheus unreachable"),
 ])
 def test_evaluate(analysis: dict[str, Any], canary: Sample, verdict: str, says: str) -> None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
+SUBFIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*: ")  # "metrics.0.query: ..."
 # The data key of the routing ConfigMap that holds the runtime config YAML.
 CONFIG_KEY = "runtime.yaml"
 
@@ -217,6 +218,10 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
             lines.append(prefix + msg)
             continue
         value = err.get("input")
+        sub = SUBFIELD.match(msg)
+        if sub:  # a cross-field message naming a field below ``loc``: one path
+            lines.append(f"{prefix}{loc}.{msg}")
+            continue
         shown = "" if isinstance(value, dict) or f"{value!r}" in msg else f" (got {value!r})"
         lines.append(f"{prefix}{loc}: {msg}{shown}")
     return "; ".join(lines)

@@ -1,5 +1,8 @@
 """The ``direct`` provider: scrape every runtime pod's /metrics, no Prometheus needed.
 
+Custom metrics name a series (``metric`` plus exact ``labels``), matched on ``model`` and
+``version``: a counter's increase over the interval, or a gauge's current value, summed over pods.
+
 Counters and histogram buckets are summed across pods; the analysis interval's values are the
 deltas since the previous scrape of the same pod. The first scrape of an object only sets the
 baseline. A pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted:
@@ -13,12 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..spec import MetricSpec
 from ..verdicts import Sample
 from .base import QUANTILES, SampleContext
 
@@ -30,7 +34,14 @@ STARTED = "mnn_runtime_start_time_seconds"
 Snapshot = dict[str, dict[tuple[str, str, str], float]]
 
 
-def parse(text: str, model: str) -> dict[tuple[str, str, str], float]:
+CUSTOM = "custom"  # series key (CUSTOM, version, metric spec name): a counter, compared across scrapes
+GAUGE = "gauge"  # series key (GAUGE, version, metric spec name): a current value, summed over pods
+
+
+def parse(text: str, model: str, custom: Sequence[MetricSpec] = ()) -> dict[tuple[str, str, str], float]:
+    """The series the analysis needs from one pod's /metrics: requests, latency buckets, the
+    process start time, and each custom ``metric`` (its samples matching the labels summed)."""
+    wanted = [m for m in custom if m.metric]
     out: dict[tuple[str, str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -42,7 +53,16 @@ def parse(text: str, model: str) -> dict[tuple[str, str, str], float]:
                 out[(REQUESTS, s.labels["version"], s.labels["outcome"])] = s.value
             elif s.name == BUCKETS:
                 out[(BUCKETS, s.labels["version"], s.labels["le"])] = s.value
+            for m in wanted:
+                if s.name == m.metric and all(s.labels.get(k) == v for k, v in m.labels.items()):
+                    key = (CUSTOM if is_counter(s.name) else GAUGE, s.labels.get("version", ""), m.name)
+                    out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def is_counter(name: str) -> bool:
+    """A counter by the OpenMetrics naming rules: its increase is what an interval did."""
+    return name.endswith(("_total", "_sum", "_count"))
 
 
 def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
@@ -76,10 +96,10 @@ class DirectProvider:
     def is_online(self) -> bool:
         return True
 
-    def _scrape(self, urls: list[str], model: str) -> tuple[Snapshot, list[str]]:
+    def _scrape(self, urls: list[str], model: str, custom: Sequence[MetricSpec]) -> tuple[Snapshot, list[str]]:
         def one(url: str) -> tuple[str, dict[tuple[str, str, str], float] | None, str | None]:
             try:
-                return url, parse(self._fetch(url), model), None
+                return url, parse(self._fetch(url), model, custom), None
             except (httpx.HTTPError, ValueError) as exc:
                 return url, None, f"{url}: {exc or type(exc).__name__}"
 
@@ -96,7 +116,7 @@ class DirectProvider:
     def sample(self, ctx: SampleContext) -> dict[str, Sample]:
         if not ctx.pod_urls:
             return {v: Sample(error="no runtime pods to scrape") for v in ctx.versions}
-        current, errors = self._scrape(list(ctx.pod_urls), ctx.model)
+        current, errors = self._scrape(list(ctx.pod_urls), ctx.model, ctx.metrics)
         with self._lock:
             previous = self._previous.get(ctx.key)
             # Pods missed by this scrape keep their baseline (dropped once they leave the pod list).
@@ -120,19 +140,32 @@ class DirectProvider:
             for key, value in series.items():
                 if key[0] == STARTED:
                     continue
+                if key[0] == GAUGE:
+                    delta[key] += value  # a current value, not a count: summed over pods as it is
+                    continue
                 old = before.get(key, 0.0)
                 delta[key] += value - old if value >= old else value  # a reset we could not see
-        return {v: self._version_sample(v, delta) for v in ctx.versions}
+        return {v: self._version_sample(v, delta, ctx.metrics) for v in ctx.versions}
 
     @staticmethod
-    def _version_sample(version: str, delta: Mapping[tuple[str, str, str], float]) -> Sample:
+    def _version_sample(version: str, delta: Mapping[tuple[str, str, str], float],
+                        metrics: Sequence[MetricSpec] = ()) -> Sample:
         outcomes = {label: value for (metric, v, label), value in delta.items() if metric == REQUESTS and v == version}
         requests = sum(outcomes.values())
         errors = outcomes.get("client_error", 0.0) + outcomes.get("server_error", 0.0)
         buckets = {float(label): value for (metric, v, label), value in delta.items()
                    if metric == BUCKETS and v == version}
         latency = {name: quantile(q, buckets) for name, q in QUANTILES.items()}
-        return Sample(requests=requests, errors=errors, latency=latency)
+        custom: dict[str, float | None] = {}
+        for m in metrics:
+            if not m.metric:
+                continue
+            kind = CUSTOM if is_counter(m.metric) else GAUGE
+            value = delta.get((kind, version, m.name))  # None: no pod exports it for this version
+            if value is not None and m.per_request:
+                value = value / requests if requests else None
+            custom[m.name] = value
+        return Sample(requests=requests, errors=errors, latency=latency, custom=custom)
 
     def forget(self, key: str) -> None:
         with self._lock:

@@ -11,8 +11,10 @@ from collections.abc import Mapping
 
 import httpx
 
+from ..spec import MetricSpec
 from ..verdicts import Sample
 from .base import QUANTILES, SampleContext
+from .direct import is_counter
 
 SELECTOR = 'model="{model}",version="{version}"'
 QUERIES = {
@@ -73,7 +75,8 @@ class PrometheusProvider:
                 errors = self.query(_fill(QUERIES["errors"], values), at)
                 latency = {name: self.query(_fill(QUERIES["latency"], {**values, "q": str(q)}), at)
                            for name, q in QUANTILES.items()}
-                custom = {m.name: self.query(_fill(m.query, values), at) for m in ctx.metrics if m.query}
+                custom = {m.name: self.query(_fill(custom_query(m), values), at)
+                          for m in ctx.metrics if m.query or m.metric}
             except PrometheusError as exc:
                 out[version] = Sample(error=str(exc))
                 continue
@@ -81,6 +84,20 @@ class PrometheusProvider:
                                   errors=errors if errors is not None else (0.0 if requests else None),
                                   latency=latency, custom=custom)
         return out
+
+
+def custom_query(metric: MetricSpec) -> str:
+    """The PromQL of a custom metric: its own ``query``, or one built from ``metric`` and ``labels``
+    the way the direct provider reads the pods (a counter's increase, else the current value)."""
+    if metric.query:
+        return metric.query
+    assert metric.metric is not None
+    matchers = ",".join([SELECTOR] + [f'{k}="{v}"' for k, v in sorted(metric.labels.items())])
+    series = f"{metric.metric}{{{matchers}}}"
+    value = f"sum(increase({series}[{{interval}}]))" if is_counter(metric.metric) else f"sum({series})"
+    if metric.per_request:
+        value = f"({value}) / {QUERIES['requests']}"
+    return value
 
 
 def _fill(template: str, values: Mapping[str, str]) -> str:
