@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from mnn_rollout.contract.config import VersionSpec
+
 
 @dataclass(frozen=True)
 class PodView:
@@ -59,22 +61,39 @@ class Observation:
     def answering(self) -> list[PodView]:
         return [p for p in self.pods if p.status is not None]
 
-    def version(self, name: str) -> VersionView:
-        """A version is ready when every pod that answers has it loaded."""
+    def version(self, spec: VersionSpec) -> VersionView:
+        """A version is ready when every pod that answers has it loaded from exactly the ``uri``
+        (and, when the spec names one, the ``sha256``) of ``spec``: a pod still serving an older
+        file of the version, or that failed to load the new one, does not count."""
         pods = self.answering
         ready, failed, loading = 0, [], []
         for pod in pods:
-            state = (pod.status or {}).get("versions", {}).get(name)
-            if state and state.get("ready"):
+            state = (pod.status or {}).get("versions", {}).get(spec.name)
+            serves = _serves(state, spec)
+            if state and state.get("ready") and serves is None:
                 ready += 1
             elif state and state.get("reason"):
                 failed.append(f"{pod.name}: {state['reason']}")
+            elif state and state.get("ready"):
+                failed.append(f"{pod.name}: {serves}")
             else:
                 loading.append(f"{pod.name}: not loaded yet")
         reasons = failed or loading  # a load failure says more than "not yet"
         reason = None if not reasons else reasons[0] + (f" (and {len(reasons) - 1} more pods)" if len(reasons) > 1
                                                           else "")
-        return VersionView(name, ready, len(pods), reason)
+        return VersionView(spec.name, ready, len(pods), reason)
+
+
+def _serves(state: dict[str, Any] | None, spec: VersionSpec) -> str | None:
+    """None when the pod's loaded file is the one ``spec`` names; else what it serves instead."""
+    if not state:
+        return None
+    uri, sha = state.get("uri"), state.get("sha256")
+    if uri != spec.uri:
+        return f"serves {uri}, not {spec.uri} yet"
+    if spec.sha256 is not None and sha != spec.sha256:
+        return f"serves {uri} with sha256 {str(sha)[:12]}..., not {spec.sha256[:12]}..."
+    return None
 
 
 def pod_views(pods: list[dict[str, Any]], port: int) -> list[PodView]:

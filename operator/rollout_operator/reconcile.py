@@ -98,7 +98,8 @@ class Reconciler:
         world = self._world(spec, status, observation, annotations)
         analysis = self._analyse(spec, status, body, observation, now)
         new, events = decide(spec, status, world, analysis, now)
-        new = replace(new, versions=[observation.version(v).as_status() for v in routed_versions(spec, new)],
+        new = replace(new, versions=[observation.version(spec.version(v)).as_status()
+                                     for v in routed_versions(spec, new)],
                       last_action=annotations.get(ACTION_ANNOTATION, new.last_action),
                       last_alert=annotations.get(ALERT_ANNOTATION, new.last_alert))
         if world.action and world.action not in ACTIONS:
@@ -116,7 +117,7 @@ class Reconciler:
 
     def _world(self, spec: ModelDeploymentSpec, status: RolloutStatus, observation: Observation,
                annotations: dict[str, str]) -> World:
-        views = {v.name: observation.version(v.name) for v in spec.versions}
+        views = {v.name: observation.version(v) for v in spec.versions}
         action = annotations.get(ACTION_ANNOTATION)
         alert = annotations.get(ALERT_ANNOTATION)
         return World(

@@ -92,8 +92,8 @@ def _no_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, event
     phase = Phase.READY if serving or st.phase == Phase.READY else Phase.INITIALIZING
     held = {k: v for k, v in desired.items() if weights.get(k) != v}
     message = f"serving {_fmt(weights)}" + (f"; holding {_fmt(held)} until loaded on every pod" if held else "")
-    return replace(st, phase=phase, weights=weights, canary_version=None, canary_weight=0, current_step=None,
-                   step_text="", message=message)
+    return replace(st, phase=phase, weights=weights, canary_version=None, canary_file=None, canary_weight=0,
+                   current_step=None, step_text="", message=message)
 
 
 def hold_unready(desired: Mapping[str, int], current: Mapping[str, int], stable: str, world: World) -> dict[str, int]:
@@ -112,9 +112,24 @@ def hold_unready(desired: Mapping[str, int], current: Mapping[str, int], stable:
 # -- canary ------------------------------------------------------------------------------------
 
 
+def file_of(spec: ModelDeploymentSpec, version: str) -> str:
+    """What a version serves, as the rollout records it: ``uri@sha256`` (``uri@`` without a digest)."""
+    v = spec.version(version)
+    return f"{v.uri}@{v.sha256 or ''}"
+
+
 def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
             analysis: Analysis | None, now: float, events: list[Event]) -> RolloutStatus:
-    if st.canary_version != canary or (st.current_step is None and st.phase not in (Phase.ROLLED_BACK, Phase.FAILED)):
+    file = file_of(spec, canary)
+    if st.canary_version == canary and st.canary_file is None:
+        st = replace(st, canary_file=file)  # a status written before files were recorded: adopt
+    edited = st.canary_version == canary and st.canary_file != file
+    if edited:
+        # The analysis so far judged another file: never promote that evidence. Start again.
+        events.append(Event("Warning", "CanaryFileChanged",
+                            f"canary {canary} now names {file} (was {st.canary_file}): restarting at step 1"))
+        st, analysis = _start(spec, st, canary, now, events, restarted=False, announce=False), None
+    elif st.canary_version != canary or (st.current_step is None and st.phase not in (Phase.ROLLED_BACK, Phase.FAILED)):
         midway = st.canary_version is not None and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
         st, analysis = _start(spec, st, canary, now, events, restarted=midway), None
     elif st.phase in (Phase.ROLLED_BACK, Phase.FAILED):
@@ -153,7 +168,8 @@ def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float
                                                          f"steps, stable {st.stable_version}"))
     retiring = (st.previous_stable,) if st.phase == Phase.PROMOTING and st.previous_stable else ()
     retired = tuple(sorted({*st.retired, *retiring} - {canary, st.stable_version}))
-    st = replace(st, canary_version=canary, current_step=0, failures=0, analysis={}, retired=retired,
+    st = replace(st, canary_version=canary, canary_file=file_of(spec, canary), current_step=0, failures=0,
+                 analysis={}, retired=retired,
                  step_started_at=now, phase=Phase.PROGRESSING, rollout_started_at=now,
                  message=f"waiting for {canary} to load on every pod")
     return _set_weight(st, 0, now, restart_clock=True)

@@ -41,6 +41,7 @@ _KEYS: dict[str, tuple[str, str]] = {
     "observed_generation": ("observedGeneration", "plain"),
     "stable_version": ("stableVersion", "plain"),
     "canary_version": ("canaryVersion", "plain"),
+    "canary_file": ("canaryFile", "plain"),
     "canary_weight": ("canaryWeight", "plain"),
     "weights": ("weights", "plain"),
     "retired": ("retiredVersions", "tuple"),
@@ -71,6 +72,7 @@ class RolloutStatus:
     observed_generation: int | None = None
     stable_version: str | None = None
     canary_version: str | None = None
+    canary_file: str | None = None  # "uri@sha256" of the canary this rollout analyses
     canary_weight: int = 0
     weights: dict[str, int] = field(default_factory=dict)
     retired: tuple[str, ...] = ()

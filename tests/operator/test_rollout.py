@@ -271,3 +271,44 @@ def test_an_invalid_spec_changes_only_phase_message_and_condition() -> None:
 def test_status_round_trips_through_its_api_form() -> None:
     st, _ = decide(spec(), progressing(failures=1), READY, verdict(FAIL, 0.3), T0)
     assert RolloutStatus.from_dict(st.to_dict()) == st
+
+
+# -- the canary's file: an in-place edit of uri/sha256 never inherits the old file's evidence --------
+
+SHA_A, SHA_B = "a" * 64, "b" * 64
+
+
+def versions(uri: str = "v2.mnn", sha: str | None = SHA_A) -> list[dict[str, Any]]:
+    v2 = {"name": "v2", "uri": uri, **({"sha256": sha} if sha else {})}
+    return [{"name": "v1", "uri": "v1.mnn"}, v2]
+
+
+@pytest.mark.parametrize("edit", [{"uri": "v2-fixed.mnn"}, {"sha": SHA_B}, {"sha": None}])
+def test_editing_the_canarys_file_midway_restarts_the_rollout_at_step_one_at_zero(edit: dict[str, Any]) -> None:
+    before = progressing(step=1, weight=50, canary_file=f"v2.mnn@{SHA_A}", failures=1,
+                         analysis=verdict(PASS, at=T0 + 9).as_status(0))
+    # a pass that would otherwise promote (last step, pause over): the file it judged is gone
+    st, events = decide(spec(versions=versions(**edit)), before, READY, verdict(PASS, at=T0 + 20), T0 + 20)
+    assert reasons(events) == ["CanaryFileChanged", "StepStarted"]
+    assert st.phase == Phase.PROGRESSING and st.current_step == 0 and st.failures == 0
+    assert st.weights == {"v2": 10, "v1": 90} and st.step_started_at == T0 + 20
+    assert st.canary_file == f"{edit.get('uri', 'v2.mnn')}@{edit.get('sha', SHA_A) or ''}"
+    assert st.analysis == {}  # the old file's verdicts are not carried over
+
+
+def test_an_unchanged_file_keeps_the_rollout_going_and_an_old_status_adopts_the_file() -> None:
+    st, events = decide(spec(versions=versions()), progressing(canary_file=f"v2.mnn@{SHA_A}"), READY,
+                        verdict(PASS), T0 + 11)
+    assert reasons(events) == ["StepAdvanced"] and st.canary_file == f"v2.mnn@{SHA_A}"
+    st, events = decide(spec(versions=versions()), progressing(), READY, verdict(PASS), T0 + 11)  # no canaryFile
+    assert reasons(events) == ["StepAdvanced"] and st.canary_file == f"v2.mnn@{SHA_A}"
+
+
+def test_a_fixed_file_for_a_rolled_back_canary_starts_a_new_attempt() -> None:
+    rolled_back = progressing(canary_file=f"v2.mnn@{SHA_A}", phase=Phase.ROLLED_BACK, canary_weight=0,
+                              weights={"v1": 100, "v2": 0})
+    st, events = decide(spec(versions=versions()), rolled_back, READY, None, T0 + 50)
+    assert st.phase == Phase.ROLLED_BACK and events == []  # the same file: stays rolled back until retry
+    st, events = decide(spec(versions=versions(sha=SHA_B)), rolled_back, V2_LOADING, None, T0 + 50)
+    assert reasons(events) == ["CanaryFileChanged"] and st.phase == Phase.PROGRESSING
+    assert st.weights == {"v2": 0, "v1": 100}  # waits for the new file on every pod

@@ -1,0 +1,43 @@
+"""``Observation``: a version counts as ready only where a pod serves exactly the file the spec names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mnn_rollout.contract.config import VersionSpec
+from rollout_operator.observe import Observation, PodView
+
+SHA_A, SHA_B = "a" * 64, "b" * 64
+
+
+def pod(name: str, **versions: dict[str, Any]) -> PodView:
+    return PodView(name, "127.0.0.9", 8080, True, {"ready": True, "versions": versions})
+
+
+def loaded(uri: str, sha: str = SHA_A, reason: str | None = None) -> dict[str, Any]:
+    return {"ready": True, "state": "ready" if reason is None else "failed", "uri": uri, "sha256": sha,
+            "reason": reason}
+
+
+def test_every_pod_serving_the_named_file_is_ready() -> None:
+    obs = Observation([pod("a", v2=loaded("v2.mnn")), pod("b", v2=loaded("v2.mnn"))])
+    view = obs.version(VersionSpec(name="v2", uri="v2.mnn", sha256=SHA_A))
+    assert view.ready and (view.ready_pods, view.pods, view.reason) == (2, 2, None)
+    assert obs.version(VersionSpec(name="v2", uri="v2.mnn")).ready  # no sha256 in the spec: the uri decides
+
+
+def test_a_pod_still_serving_the_old_uri_or_digest_keeps_the_version_unready_and_says_why() -> None:
+    obs = Observation([pod("a", v2=loaded("v2-new.mnn", SHA_B)), pod("b", v2=loaded("v2.mnn", SHA_A))])
+    view = obs.version(VersionSpec(name="v2", uri="v2-new.mnn", sha256=SHA_B))
+    assert not view.ready and view.ready_pods == 1
+    assert view.reason == "b: serves v2.mnn, not v2-new.mnn yet"
+    same_uri = Observation([pod("a", v2=loaded("v2.mnn", SHA_A))]).version(
+        VersionSpec(name="v2", uri="v2.mnn", sha256=SHA_B))
+    assert not same_uri.ready and "with sha256 aaaaaaaaaaaa..., not bbbbbbbbbbbb..." in (same_uri.reason or "")
+
+
+def test_a_failed_reload_that_still_serves_the_old_file_is_not_ready_and_gives_the_runtimes_reason() -> None:
+    reason = "new file v2-new.mnn not loaded, still serving v2.mnn: sha256 mismatch"
+    obs = Observation([pod("a", v2=loaded("v2.mnn", SHA_A, reason=reason))])
+    view = obs.version(VersionSpec(name="v2", uri="v2-new.mnn", sha256=SHA_B))
+    assert not view.ready and view.reason == f"a: {reason}"
