@@ -2,8 +2,9 @@
 
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
 ``model`` + ``version`` (the canary being rolled out). The webhook only marks the object (the
-``mnnrollout.io/alert`` annotation); the replica that holds the peering lease acts on it at once
-through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
+``mnnrollout.io/alert`` annotation, ``alertname@startsAt@canary``) while the alert fires, and
+removes the mark when Alertmanager reports it resolved; the replica that holds the peering lease
+acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
 missing or wrong bearer token 401, and neither changes anything.
 """
 
@@ -85,17 +86,25 @@ def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> lis
 
 
 def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str] | None) -> list[str]:
-    """Mark every ModelDeployment a firing alert names; returns ``namespace/name`` of each."""
+    """Mark every ModelDeployment a firing alert names (``alertname@startsAt@canary``), and unmark
+    those a resolved alert had marked; returns ``namespace/name`` of each object marked. A mark
+    stays while the alert fires, so a retried canary is rolled back again until it resolves."""
     marked = []
     for alert in alerts:
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
         alertname = labels.get("alertname", "alert")
+        prefix = f"{alertname}@{alert.get('startsAt', '')}@"
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
+            for md in marked_by(kube, prefix, labels.get("namespace"), namespaces):
+                meta = md["metadata"]
+                kube.patch("ModelDeployment", meta["namespace"], meta["name"],
+                           {"metadata": {"annotations": {ALERT_ANNOTATION: None}}})
+                log.info("alert %s mark removed from %s/%s", alertname, meta["namespace"], meta["name"])
             continue
         for md in targets(kube, labels, namespaces):
             meta = md["metadata"]
-            value = f"{alertname}@{alert.get('startsAt', '')}"
+            value = prefix + str((md.get("status") or {}).get("canaryVersion"))
             if (meta.get("annotations") or {}).get(ALERT_ANNOTATION) == value:
                 continue
             kube.patch("ModelDeployment", meta["namespace"], meta["name"],
@@ -104,6 +113,15 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
                         meta["name"])
             marked.append(f"{meta['namespace']}/{meta['name']}")
     return marked
+
+
+def marked_by(kube: KubeClient, prefix: str, namespace: str | None, namespaces: list[str] | None) -> list[dict[str, Any]]:
+    """ModelDeployments whose alert mark starts with ``prefix`` (one alert, any canary)."""
+    scope = [namespace] if namespace else namespaces
+    if namespace and namespaces and namespace not in namespaces:
+        return []
+    return [md for md in list_modeldeployments(kube, scope)
+            if ((md["metadata"].get("annotations") or {}).get(ALERT_ANNOTATION) or "").startswith(prefix)]
 
 
 def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None) -> type:

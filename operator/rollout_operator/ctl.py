@@ -28,15 +28,38 @@ def _get(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
     return md
 
 
-def act(kube: KubeClient, namespace: str, name: str, action: str) -> None:
+def act(kube: KubeClient, namespace: str, name: str, action: str, wait: float = 20.0) -> tuple[int, str]:
+    """Request ``action`` and wait (at most ``wait`` seconds) for the operator's answer: applied,
+    pending (it applies once it can) or ignored with the reason. Returns (exit code, outcome)."""
     _get(kube, namespace, name)
-    kube.patch("ModelDeployment", namespace, name,
-               {"metadata": {"annotations": {ACTION_ANNOTATION: f"{action}:{time.time():.3f}"}}})
+    token = f"{action}:{time.time():.3f}"
+    kube.patch("ModelDeployment", namespace, name, {"metadata": {"annotations": {ACTION_ANNOTATION: token}}})
+    deadline = time.monotonic() + wait
+    while True:
+        st = _get(kube, namespace, name).get("status") or {}
+        if st.get("lastAction") == token:
+            result = str(st.get("actionResult") or "applied")
+            return (1 if result.startswith("ignored") else 0), result
+        if str(st.get("pendingAction") or "").startswith(token + ": "):
+            return 0, "pending: " + str(st["pendingAction"]).split(": ", 1)[1]
+        if time.monotonic() >= deadline:
+            return 2, f"requested; the operator has not answered within {wait:g} s"
+        time.sleep(0.25)
 
 
-def set_paused(kube: KubeClient, namespace: str, name: str, paused: bool) -> None:
+def set_paused(kube: KubeClient, namespace: str, name: str, paused: bool, wait: float = 20.0) -> tuple[int, str]:
+    """Set spec.paused and wait for the operator to observe that generation."""
     _get(kube, namespace, name)
-    kube.patch("ModelDeployment", namespace, name, {"spec": {"paused": paused}})
+    patched = kube.patch("ModelDeployment", namespace, name, {"spec": {"paused": paused}})
+    generation = patched["metadata"].get("generation")
+    deadline = time.monotonic() + wait
+    while True:
+        st = _get(kube, namespace, name).get("status") or {}
+        if generation is not None and (st.get("observedGeneration") or 0) >= generation:
+            return 0, f"applied (phase {st.get('phase', '?')})"
+        if time.monotonic() >= deadline:
+            return 2, f"requested; the operator has not answered within {wait:g} s"
+        time.sleep(0.25)
 
 
 def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
@@ -124,6 +147,10 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
         return
     p.add_argument("name", help="the ModelDeployment")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the context's, else default)")
+    if command != "status":
+        p.add_argument("--wait", type=float, default=20.0,
+                       help="seconds to wait for the operator's answer (applied, pending or ignored; default 20); "
+                            "exit 1 when ignored, 2 when unanswered")
     if command == "status":
         p.add_argument("-w", "--watch", action="store_true", help="refresh until the rollout ends")
         p.add_argument("--timeout", type=float, default=None, help="seconds to wait; exit 2 when it passes")
@@ -151,12 +178,13 @@ def run(args: argparse.Namespace) -> int:
         if args.ctl == "status":
             return status(kube, namespace, args.name, args.watch, args.timeout, args.output == "json")
         if args.ctl in ("pause", "resume"):
-            set_paused(kube, namespace, args.name, args.ctl == "pause")
+            code, outcome = set_paused(kube, namespace, args.name, args.ctl == "pause", args.wait)
         else:
-            act(kube, namespace, args.name, "promote-full" if args.ctl == "promote" and args.full else args.ctl)
+            code, outcome = act(kube, namespace, args.name,
+                                "promote-full" if args.ctl == "promote" and args.full else args.ctl, args.wait)
     except ApiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"modeldeployment.mnnrollout.io/{args.name} {args.ctl}{' --full' if getattr(args, 'full', False) else ''} "
-          "requested")
-    return 0
+    print(f"modeldeployment.mnnrollout.io/{args.name} {args.ctl}{' --full' if getattr(args, 'full', False) else ''}: "
+          f"{outcome}", file=sys.stdout if code == 0 else sys.stderr)
+    return code

@@ -22,7 +22,7 @@ from .verdicts import Analysis
 from .metrics import OperatorMetrics
 from .observe import Observation
 from .ports import Ports
-from .rollout import ACTIONS, Event, World, decide, mark_invalid, routed_versions
+from .rollout import Event, World, decide, mark_invalid, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus
 
@@ -41,6 +41,17 @@ class Outcome:
     children: dict[str, str] = field(default_factory=dict)
     wrote_status: bool = False
     analysis: Analysis | None = None
+
+
+def firing_alert(mark: str | None, canary: str | None) -> str | None:
+    """The alert name of an ``alertname@startsAt@version`` mark that names ``canary`` (a mark
+    without a version names any canary). The webhook removes the mark when the alert resolves."""
+    if not mark or not canary:
+        return None
+    parts = mark.split("@")
+    if len(parts) >= 3 and parts[-1] != canary:
+        return None
+    return parts[0]
 
 
 class Reconciler:
@@ -100,11 +111,7 @@ class Reconciler:
         new, events = decide(spec, status, world, analysis, now)
         new = replace(new, versions=[observation.version(spec.version(v)).as_status()
                                      for v in routed_versions(spec, new)],
-                      last_action=annotations.get(ACTION_ANNOTATION, new.last_action),
-                      last_alert=annotations.get(ALERT_ANNOTATION, new.last_alert))
-        if world.action and world.action not in ACTIONS:
-            events.append(Event("Warning", "UnknownAction", f"{ACTION_ANNOTATION}: {world.action!r} is not one "
-                                                             f"of {', '.join(ACTIONS)}"))
+                      last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert)
 
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new))
@@ -119,14 +126,15 @@ class Reconciler:
                annotations: dict[str, str]) -> World:
         views = {v.name: observation.version(v) for v in spec.versions}
         action = annotations.get(ACTION_ANNOTATION)
-        alert = annotations.get(ALERT_ANNOTATION)
+        new_action = action if action and action != status.last_action else None
         return World(
             versions_ready={k: v.ready for k, v in views.items()},
             reasons={k: v.reason for k, v in views.items() if v.reason},
             ready_pods=observation.ready_pods,
             desired_pods=spec.runtime.replicas,
-            action=action.split(":", 1)[0] if action and action != status.last_action else None,
-            alert=alert.split("@", 1)[0] if alert and alert != status.last_alert else None,
+            action=new_action.split(":", 1)[0] if new_action else None,
+            action_token=new_action,
+            alert=firing_alert(annotations.get(ALERT_ANNOTATION), spec.canary),
         )
 
     def _analyse(self, spec: ModelDeploymentSpec, status: RolloutStatus, body: dict[str, Any],

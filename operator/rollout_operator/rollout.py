@@ -33,7 +33,8 @@ class World:
     ready_pods: int = 0
     desired_pods: int = 0
     action: str | None = None  # one of ACTIONS, already de-duplicated by the caller
-    alert: str | None = None  # a firing alert naming this canary: roll back at once
+    action_token: str | None = None  # the whole annotation (verb:nonce), recorded once handled
+    alert: str | None = None  # an alert firing for this canary (until resolved): roll back at once
 
     def ready(self, version: str) -> bool:
         return bool(self.versions_ready.get(version))
@@ -51,14 +52,59 @@ def decide(
     events: list[Event] = []
     st = replace(_adopt_stable(spec, status), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
+    outcome, why = _action_gate(spec, st, canary, world)
+    if outcome != APPLIED:
+        world = replace(world, action=None)  # pending or ignored: the machine does not see it
     if canary is None:
         st = _no_canary(spec, st, world, events, now)
     else:
         st = _canary(spec, st, canary, world, analysis, now, events)
+    st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, now, events)
     st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
     st = _readiness(spec, st, world, now)
     return st, events
+
+
+# -- manual actions ----------------------------------------------------------------------------
+
+APPLIED, PENDING, IGNORED, NONE = "applied", "pending", "ignored", ""
+
+
+def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | None, world: World) -> tuple[str, str]:
+    """Whether the requested action applies now, waits until it can (pending), or cannot apply at
+    all (ignored), and why. Judged on the status before this decision."""
+    action = world.action
+    if action is None:
+        return NONE, ""
+    if action not in ACTIONS:
+        return IGNORED, f"{action!r} is not one of {', '.join(ACTIONS)}"
+    if canary is None:
+        return IGNORED, f"no rollout in progress: {st.stable_version} is stable and spec.canary names no other version"
+    started = st.canary_version == canary and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
+    rolled_back = st.canary_version == canary and st.phase in (Phase.ROLLED_BACK, Phase.FAILED)
+    if action == "retry":
+        return (APPLIED, "") if rolled_back else (IGNORED, f"nothing to retry: canary {canary} is {st.phase.value}")
+    if rolled_back:
+        return IGNORED, f"canary {canary} was rolled back ({st.abort_reason}); retry it first"
+    if action == "promote" and spec.paused:
+        return IGNORED, "spec.paused is true: resume the rollout first"
+    if action == "promote" and (not started or not world.ready(canary)):
+        return PENDING, f"canary {canary} is not loaded on every pod yet: {world.reasons.get(canary, 'loading')}"
+    return APPLIED, ""
+
+
+def _record_action(st: RolloutStatus, world: World, outcome: str, why: str, events: list[Event]) -> RolloutStatus:
+    token = world.action_token
+    if outcome == NONE or token is None:
+        return st
+    verb = token.split(":", 1)[0]
+    if outcome == PENDING:
+        return replace(st, pending_action=f"{token}: {why}")
+    if outcome == IGNORED:
+        events.append(Event("Warning", "ActionIgnored", f"{verb}: {why}"))
+        return replace(st, last_action=token, action_result=f"ignored: {why}", pending_action=None)
+    return replace(st, last_action=token, action_result="applied", pending_action=None)
 
 
 # -- no rollout --------------------------------------------------------------------------------
@@ -138,19 +184,23 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         events.append(Event("Normal", "RolloutRetried", f"retrying canary {canary} from the first step"))
         st, analysis = _start(spec, st, canary, now, events, restarted=False, announce=False), None
     if world.alert:
-        return _rollback(st, Phase.ROLLED_BACK, "AlertFiring", f"alert {world.alert}", now, events)
+        return _rollback(st, Phase.ROLLED_BACK, "AlertFiring", f"alert {world.alert} is firing", now, events)
     if world.action == "abort":
         return _rollback(st, Phase.ROLLED_BACK, "ManualAbort", "aborted by a user", now, events)
     if world.action == "promote-full":
         return _promote(st, now, events, "promoted fully by a user")
+    if spec.paused:
+        # The step clock (pause and progress deadline) stops while paused.
+        return replace(st, phase=Phase.PAUSED, message="paused by spec.paused", paused_at=st.paused_at or now)
+    if st.paused_at is not None:
+        resumed = (st.step_started_at or now) + (now - st.paused_at)
+        st = replace(st, step_started_at=resumed, paused_at=None, phase=Phase.PROGRESSING)
     if not world.ready(canary):
         return _wait_for_canary(spec, st, world, now, events)
     if st.canary_weight == 0 and st.current_step is not None and _step(spec, st).weight > 0:
         st = _set_weight(st, _step(spec, st).weight, now, restart_clock=True)
         events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
                                                       f"{st.canary_weight}%"))
-    if spec.paused:
-        return replace(st, phase=Phase.PAUSED, message="paused by spec.paused")
     st = _record(spec, st, analysis)
     if analysis is not None and analysis.verdict == "fail" and st.failures >= spec.strategy.analysis.failure_limit:
         worst = analysis.failed_metric()
@@ -169,7 +219,7 @@ def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float
     retiring = (st.previous_stable,) if st.phase == Phase.PROMOTING and st.previous_stable else ()
     retired = tuple(sorted({*st.retired, *retiring} - {canary, st.stable_version}))
     st = replace(st, canary_version=canary, canary_file=file_of(spec, canary), current_step=0, failures=0,
-                 analysis={}, retired=retired,
+                 analysis={}, retired=retired, paused_at=None,
                  step_started_at=now, phase=Phase.PROGRESSING, rollout_started_at=now,
                  message=f"waiting for {canary} to load on every pod")
     return _set_weight(st, 0, now, restart_clock=True)

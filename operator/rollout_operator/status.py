@@ -59,6 +59,9 @@ _KEYS: dict[str, tuple[str, str]] = {
     "analysis": ("analysis", "plain"),
     "abort_reason": ("abortReason", "plain"),
     "last_action": ("lastAction", "plain"),
+    "action_result": ("actionResult", "plain"),
+    "pending_action": ("pendingAction", "plain"),
+    "paused_at": ("pausedAt", "time"),
     "last_alert": ("lastAlert", "plain"),
     "message": ("message", "plain"),
     "versions": ("versions", "plain"),
@@ -89,7 +92,10 @@ class RolloutStatus:
     failures: int = 0
     analysis: dict[str, Any] = field(default_factory=dict)
     abort_reason: str | None = None
-    last_action: str | None = None
+    last_action: str | None = None  # the last action annotation handled (applied or ignored)
+    action_result: str | None = None  # what became of it
+    pending_action: str | None = None  # an action that will apply once it can, and why it waits
+    paused_at: float | None = None  # when spec.paused froze the step clock
     last_alert: str | None = None
     message: str = ""
     versions: list[dict[str, Any]] = field(default_factory=list)

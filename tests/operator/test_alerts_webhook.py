@@ -177,7 +177,7 @@ def test_a_firing_alert_naming_namespace_and_modeldeployment_marks_it_once(
     writes = md_writes(emu)
     resp = post(webhook, body)
     assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"MNNCanaryHighErrorRate@{STARTS_AT}"
+    assert mark(kube) == f"MNNCanaryHighErrorRate@{STARTS_AT}@v2"  # the alert, its start, the canary it hit
     assert md_writes(emu) == writes + 1
     # Alertmanager repeats notifications: the same alert again writes nothing
     for _ in range(3):
@@ -189,7 +189,7 @@ def test_a_firing_alert_naming_namespace_and_modeldeployment_marks_it_once(
     resp = post(webhook, payload(alert({"alertname": "MNNCanaryHighErrorRate", "namespace": "default",
                                         "name": "scorer"}, starts_at=later)))
     assert resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"MNNCanaryHighErrorRate@{later}" and md_writes(emu) == writes + 2
+    assert mark(kube) == f"MNNCanaryHighErrorRate@{later}@v2" and md_writes(emu) == writes + 2
 
 
 def test_an_alert_naming_a_modeldeployment_that_does_not_exist_marks_nothing(
@@ -217,7 +217,7 @@ def test_a_firing_alert_naming_the_canary_by_model_and_version_marks_only_that_m
     assert md_writes(emu) == writes
     resp = post(webhook, payload(alert({"alertname": "MNNCanaryHighLatency", "model": "scorer", "version": "v2"})))
     assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"MNNCanaryHighLatency@{STARTS_AT}"
+    assert mark(kube) == f"MNNCanaryHighLatency@{STARTS_AT}@v2"
     assert mark(kube, "ranker") is None and mark(kube, "scorer-idle") is None
     assert md_writes(emu) == writes + 1
 
@@ -247,6 +247,21 @@ def test_resolved_alerts_mark_nothing_and_are_logged(
     assert md_writes(emu) == writes and mark(kube) is None
     resolved = [r.getMessage() for r in caplog.records if "resolved" in r.getMessage()]
     assert len(resolved) == 2 and "alert MNNCanaryHighErrorRate resolved" in resolved[0]
+
+
+def test_a_mark_stays_while_its_alert_fires_and_goes_when_that_alert_resolves(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    firing = alert({"alertname": "MNNCanaryHighErrorRate", "model": "scorer", "version": "v2"})
+    assert post(webhook, payload(firing)).json() == {"rolledBack": ["default/scorer"]}
+    writes = md_writes(emu)
+    # another alert, or another firing of this one, resolving: the mark stays
+    for other in (alert({"alertname": "Other", "model": "scorer", "version": "v2"}, status="resolved"),
+                  {**firing, "status": "resolved", "startsAt": "2025-01-09T00:00:00Z"}):
+        assert post(webhook, payload(other)).status_code == 200
+    assert mark(kube) == f"MNNCanaryHighErrorRate@{STARTS_AT}@v2" and md_writes(emu) == writes
+    # this alert resolving removes its mark: a retried canary is no longer rolled back by it
+    assert post(webhook, payload({**firing, "status": "resolved"})).status_code == 200
+    assert mark(kube) is None and md_writes(emu) == writes + 1
 
 
 def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(

@@ -216,11 +216,19 @@ def test_a_step_without_pause_waits_for_a_manual_promote() -> None:
     assert st.weights == {"v2": 60, "v1": 40} and reasons(events) == ["StepAdvanced"]
 
 
-def test_spec_paused_freezes_the_weights() -> None:
-    st, events = decide(spec(paused=True), progressing(), READY, verdict(PASS), T0 + 100)
+def test_spec_paused_freezes_the_weights_and_the_step_clock() -> None:
+    # 5 s into a 10 s step, paused for far longer than the step and the 120 s progress deadline
+    st, events = decide(spec(paused=True), progressing(), READY, verdict(PASS, at=T0 + 4), T0 + 5)
     assert st.phase == Phase.PAUSED and st.weights == {"v2": 10, "v1": 90} and events == []
-    st, _ = decide(spec(paused=False), st, READY, verdict(PASS), T0 + 101)
-    assert st.phase == Phase.PROGRESSING and st.weights == {"v2": 50, "v1": 50}
+    for t in (100, 500):
+        st, events = decide(spec(paused=True), st, READY, None, T0 + t)
+        assert st.phase == Phase.PAUSED and st.paused_at == T0 + 5 and events == []
+    # resumed: the step has run 5 s of its 10, so it holds; a fresh pass after 5 more seconds advances
+    st, events = decide(spec(paused=False), st, READY, None, T0 + 501)
+    assert st.phase == Phase.PROGRESSING and st.weights == {"v2": 10, "v1": 90} and events == []
+    assert st.step_started_at == T0 + 496 and st.paused_at is None
+    st, events = decide(spec(paused=False), st, READY, verdict(PASS, at=T0 + 506), T0 + 506)
+    assert st.weights == {"v2": 50, "v1": 50} and reasons(events) == ["StepAdvanced"]
 
 
 def test_a_firing_alert_rolls_back_at_once() -> None:
@@ -312,3 +320,72 @@ def test_a_fixed_file_for_a_rolled_back_canary_starts_a_new_attempt() -> None:
     st, events = decide(spec(versions=versions(sha=SHA_B)), rolled_back, V2_LOADING, None, T0 + 50)
     assert reasons(events) == ["CanaryFileChanged"] and st.phase == Phase.PROGRESSING
     assert st.weights == {"v2": 0, "v1": 100}  # waits for the new file on every pod
+
+
+# -- manual actions: applied, pending until they can apply, or ignored with the reason ---------------
+
+
+def act(verb: str, world: World = READY, nonce: str = "1") -> World:
+    return replace(world, action=verb, action_token=f"{verb}:{nonce}")
+
+
+def test_an_applied_action_is_recorded_once_with_its_result() -> None:
+    st, events = decide(spec(), progressing(), act("abort"), None, T0 + 1)
+    assert st.phase == Phase.ROLLED_BACK and st.last_action == "abort:1" and st.action_result == "applied"
+    assert st.pending_action is None and "ActionIgnored" not in reasons(events)
+
+
+def test_promote_while_the_canary_is_loading_waits_and_applies_once_it_is_ready() -> None:
+    st, events = decide(spec(), progressing(weight=0), act("promote", V2_LOADING), None, T0 + 1)
+    assert st.last_action is None and st.pending_action == "promote:1: canary v2 is not loaded on every pod yet: " \
+                                                          "pod-a: loading"
+    assert st.current_step == 0 and events == []
+    st, events = decide(spec(), st, act("promote"), None, T0 + 2)  # the caller offers it again: now it applies
+    assert reasons(events) == ["StepStarted", "StepAdvanced"] and st.current_step == 1
+    assert st.last_action == "promote:1" and st.action_result == "applied" and st.pending_action is None
+
+
+@pytest.mark.parametrize("status, verb, says", [
+    (progressing(), "retry", "nothing to retry: canary v2 is Progressing"),
+    (progressing(phase=Phase.ROLLED_BACK, abort_reason="AnalysisFailed: error-rate"), "promote",
+     "canary v2 was rolled back (AnalysisFailed: error-rate); retry it first"),
+    (progressing(phase=Phase.ROLLED_BACK), "abort", "was rolled back"),
+    (progressing(), "sideways", "'sideways' is not one of promote, promote-full, abort, retry"),
+])
+def test_an_action_that_cannot_apply_is_ignored_with_an_event_saying_why(status: RolloutStatus, verb: str,
+                                                                         says: str) -> None:
+    st, events = decide(spec(), status, act(verb), None, T0 + 1)
+    assert reasons(events) == ["ActionIgnored"] and says in events[0].message
+    assert st.last_action == f"{verb}:1" and st.action_result == f"ignored: {events[0].message.split(': ', 1)[1]}"
+    assert st.phase == status.phase and st.weights == status.weights  # nothing else moved
+
+
+def test_actions_without_a_canary_and_promote_while_paused_are_ignored() -> None:
+    static = RolloutStatus(phase=Phase.READY, stable_version="v1", weights={"v1": 100})
+    st, events = decide(spec(canary=None), static, act("promote"), None, T0)
+    assert reasons(events) == ["ActionIgnored"] and "no rollout in progress: v1 is stable" in events[0].message
+    st, events = decide(spec(paused=True), progressing(), act("promote"), None, T0 + 1)
+    assert reasons(events) == ["ActionIgnored"] and "resume the rollout first" in events[0].message
+    assert st.weights == {"v2": 10, "v1": 90}
+
+
+def test_an_alert_still_firing_after_retry_rolls_the_new_attempt_back() -> None:
+    firing = replace(READY, alert="CanaryErrorRate")
+    st, _ = decide(spec(), progressing(canary_file="v2.mnn@"), firing, None, T0 + 1)
+    assert st.phase == Phase.ROLLED_BACK
+    st, events = decide(spec(), st, firing, None, T0 + 2)  # still firing: nothing new happens
+    assert st.phase == Phase.ROLLED_BACK and events == []
+    st, events = decide(spec(), st, act("retry", firing), None, T0 + 3)
+    assert reasons(events) == ["RolloutRetried", "RolloutAborted"] and st.phase == Phase.ROLLED_BACK
+    assert "alert CanaryErrorRate is firing" in events[1].message
+    st, events = decide(spec(), st, act("retry", nonce="2"), None, T0 + 4)  # resolved: the retry proceeds
+    assert reasons(events) == ["RolloutRetried", "StepStarted"] and st.phase == Phase.PROGRESSING
+
+
+def test_an_alert_mark_names_the_canary_it_fired_for() -> None:
+    from rollout_operator.reconcile import firing_alert
+
+    assert firing_alert("CanaryErrorRate@2026-12-01T00:00:00Z@v2", "v2") == "CanaryErrorRate"
+    assert firing_alert("CanaryErrorRate@2026-12-01T00:00:00Z@v2", "v3") is None  # an older canary's alert
+    assert firing_alert("CanaryErrorRate@2026-12-01T00:00:00Z", "v3") == "CanaryErrorRate"  # no version: any
+    assert firing_alert(None, "v2") is None and firing_alert("A@t@v2", None) is None
