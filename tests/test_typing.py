@@ -1,4 +1,4 @@
-"""The product code stays mypy clean (STYLE.md)."""
+"""The product code stays mypy clean: type hints everywhere, checked by mypy."""
 
 from __future__ import annotations
 

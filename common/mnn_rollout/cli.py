@@ -76,7 +76,7 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from mnn_rollout.contract.config import ConfigError
     from mnn_runtime.server import build_runtime, build_runtime_from_configmap, serve, serve_workers
-    from mnn_runtime.workers import usable_cpus
+    from mnn_runtime.workers_cpus import usable_cpus
 
     if bool(args.config) == bool(args.configmap):
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)

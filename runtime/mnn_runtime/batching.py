@@ -1,11 +1,11 @@
 """Dynamic batching: concurrent requests for one version go through one ``forward``.
 
-MNN's ``forward`` holds the GIL (FACTS.md), so a thread pool buys no parallelism and costs a
-thread hop per request; forwards therefore run on the event loop itself. That makes batching
-cheap to get right: while one forward runs, new requests wait in their sockets; when it returns,
-the loop parses all of them before the next batch is cut, so even a queue delay of 0 batches the
-requests that arrived together. A positive delay holds the first request of a batch that long
-for more to join.
+MNN's ``forward`` holds the GIL (measured: two threads on two clones run no faster than one), so
+a thread pool buys no parallelism and costs a thread hop per request; forwards therefore run on
+the event loop itself. That makes batching cheap to get right: while one forward runs, new
+requests wait in their sockets; when it returns, the loop parses all of them before the next
+batch is cut, so even a queue delay of 0 batches the requests that arrived together. A positive
+delay holds the first request of a batch that long for more to join.
 
 Rules:
 - a batch holds requests whose inputs agree in everything but dimension 0 (dtype and the other

@@ -1,9 +1,9 @@
 """ONNX -> MNN conversion through MNN's C entry point.
 
 Never the ``mnnconvert`` console script or ``MNN.tools.mnnconvert``: those pip-install a logging
-SDK and send usage telemetry (FACTS.md). ``_tools.mnnconvert`` returns True even when it fails, so
-success is judged by the output file, which is written beside the destination and renamed into
-place only when it loads: a failed conversion never replaces a good model.
+SDK and send usage telemetry (seen with MNN 3.6.1). ``_tools.mnnconvert`` returns True even when
+it fails, so success is judged by the output file, which is written beside the destination and
+renamed into place only when it loads: a failed conversion never replaces a good model.
 """
 
 from __future__ import annotations

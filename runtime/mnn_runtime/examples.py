@@ -1,7 +1,8 @@
 """Build the example models: a recommendation-style scorer in versions that make rollout scenarios.
 
-Graphs are built as ONNX with ``onnx.helper`` (FACTS.md: F.save-built graphs run ~6x slower) from
-deterministic weights, then converted to MNN. Versions:
+Graphs are built as ONNX with ``onnx.helper`` from deterministic weights, then converted to MNN
+(measured: a graph written with MNN's ``F.save`` runs ~6x slower than the same graph converted
+from ONNX). Versions:
 
 - ``v1``          fp32, 64 user features -> 32 item scores, three dense layers.
 - ``v2``          retrained (other weights), int8 weights: a realistic, healthy canary.

@@ -1,12 +1,19 @@
 """One loaded MNN version: load and check it, a pool of clones, and a forward that cannot crash.
 
-FACTS.md rules this module keeps:
-- one runtime manager with numThread=1 (fork-safe, no hidden thread pool);
-- weights packed at load (``rearrange=True``), which also frees the file's unpacked copy;
-- never two concurrent forwards on one module: every call takes its own clone from the pool;
+Rules this module keeps, each for an MNN behaviour measured with MNN 3.6.1:
+- one runtime manager with numThread=1: without one MNN starts a hidden 4-thread pool (the
+  ``thread_num=`` argument is ignored), and a child forked from a parent whose runtime had more
+  than one thread hangs forever in ``forward``; one thread is fork-safe;
+- weights packed at load (``rearrange=True``; otherwise the first forward packs them), which also
+  frees the file's unpacked copy, so workers forked afterwards share the packed weights;
+- never two concurrent forwards on one module (the same module used from two threads at once
+  returns the other thread's output, silently): every call takes its own clone from the pool
+  (a clone shares the weights, ~0 extra memory, and takes well under a millisecond);
 - inputs are checked against the model's signature before MNN sees them, and always passed as a
-  list of Vars; an empty result is an error, not a crash;
-- outputs are copied out of MNN's buffers before the Vars go away.
+  list of Vars (``forward`` segfaults on an ndarray, or on a Var of the wrong shape); the list
+  form answers a bad shape with ``[]``: an empty result is an error, not a crash;
+- outputs are copied out of MNN's buffers before the Vars go away (``Var.read()`` is a view
+  into them).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
 from .registry import Registry, same_file
 from .fastpath import InferFastPath
-from .workers import CONFIG_MESSAGE, MAX_CONFIG_BYTES
+from .workers_channel import CONFIG_MESSAGE, MAX_CONFIG_BYTES
 from .rest import create_app
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,9 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     process follows the config (one watch per pod, not per worker): it sends every valid change to
     the workers at once (new weights apply there within milliseconds), then loads a new or changed
     version here, once, and replaces the workers one by one (see workers.Supervisor)."""
-    from .workers import Supervisor, bind, enable_multiprocess_metrics
+    from .workers import Supervisor
+    from .workers_channel import bind
+    from .workers_metrics import enable_multiprocess_metrics
 
     metrics_dir = enable_multiprocess_metrics()
     runtime = build()  # models loaded and warmed before the fork: shared copy-on-write

@@ -37,23 +37,29 @@ Not simulated: ReplicaSets (pods are owned by the Deployment directly), images (
 runs from this checkout), volumes, resources/limits, securityContext, init containers, lifecycle
 hooks, grpc probes (pass), ``spec.paused`` beyond "do nothing", scheduling, Services/Endpoints,
 Events. Use ``namespace=`` / ``label_selector=`` to restrict which Deployments are run.
+
+Here: the public face (:class:`Kubelet`, :class:`PodInfo`) and the reconcile loop. The parts:
+``kubelet_runner`` (the pods this node runs), ``kubelet_deployments`` (the deployment controller),
+``kubelet_pods`` (a pod, its IP, its name), ``kubelet_containers`` (a container = a process, with
+restarts and probes), ``kubelet_env`` (its env and arguments), ``kubelet_probes`` (one probe),
+``kubelet_api`` (the client of the API).
 """
 import atexit
 import dataclasses
-import http.client
-import json
-import math
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from .kubelet_pods import FINALIZER, IPAllocator, Pod, Timing, now_iso, random_suffix, template_hash
+from .kubelet_api import Api
+from .kubelet_containers import Timing, now_iso
+from .kubelet_deployments import DeploymentController
+from .kubelet_pods import FINALIZER, Pod
+from .kubelet_runner import PodRunner
 
 DEFAULT_COMMANDS = {'mnn-rollout': [sys.executable, '-m', 'mnn_rollout.cli']}
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,73 +85,6 @@ class PodInfo:
         return f'http://{self.ip}:{self.port}'
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f'{status}: {body}')
-        self.status = status
-
-
-class Api:
-    """Plain HTTP/JSON to the emulator (no kubernetes client: nothing global, nothing to configure)."""
-
-    def __init__(self, url: str, timeout: float = 5.0) -> None:
-        parsed = urllib.parse.urlparse(url)
-        self.host, self.port, self.timeout = parsed.hostname or '127.0.0.1', parsed.port or 80, timeout
-
-    def call(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None,
-             content_type: str = 'application/json', ok: tuple[int, ...] = (200, 201, 202)) -> Any:
-        if query:
-            path += '?' + urllib.parse.urlencode(query)
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-        try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={'Content-Type': content_type, 'Accept': 'application/json'})
-            rsp = conn.getresponse()
-            raw = rsp.read()
-        finally:
-            conn.close()
-        try:
-            parsed = json.loads(raw) if raw else None
-        except ValueError:
-            parsed = raw.decode(errors='replace')
-        if rsp.status not in ok:
-            raise ApiError(rsp.status, parsed)
-        return parsed
-
-    def get_or_none(self, path: str) -> Any:
-        try:
-            return self.call('GET', path)
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def merge_patch(self, path: str, body: Any) -> Any:
-        return self.call('PATCH', path, body, content_type='application/merge-patch+json')
-
-
-def _scaled(value: Any, replicas: int, round_up: bool, default: str) -> int:
-    value = default if value is None else value
-    if isinstance(value, str) and value.endswith('%'):
-        exact = float(value[:-1]) * replicas / 100
-        return math.ceil(exact) if round_up else math.floor(exact)
-    return int(value)
-
-
-@dataclasses.dataclass
-class _DeploymentState:
-    name: str
-    namespace: str
-    uid: str
-    thash: str = ''
-    replicas: int = 1
-    progress_key: Any = None
-    progress_at: float = 0.0
-    progress_ts: str = ''
-    last_status: dict[str, Any] | None = None
-    transitions: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
-
-
 class Kubelet:
     def __init__(self, api_url: str, kubeconfig_path: str | os.PathLike[str] | None = None,
                  workdir: str | os.PathLike[str] | None = None, namespace: str | None = None,
@@ -167,15 +106,18 @@ class Kubelet:
         self.commands = {**DEFAULT_COMMANDS, **(commands or {})}
         self.entrypoint = list(entrypoint or ['mnn-rollout'])
         self.node_name = node_name
-        self.ips = IPAllocator()
         self.errors: list[str] = []  # tracebacks of failed ticks (a test may assert it stays empty)
-        self._base_env = {
+        base_env = {
             **os.environ, 'MNN_ROLLOUT_KUBE_API': self.api_url, 'PYTHONUNBUFFERED': '1',
             'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])),
             **({'KUBECONFIG': str(self.kubeconfig_path)} if self.kubeconfig_path else {}), **(extra_env or {}),
         }
-        self._pods: dict[tuple[str, str], Pod] = {}
-        self._deps: dict[str, _DeploymentState] = {}  # by uid
+        self._runner = PodRunner(self.api, workdir=self.workdir, node_name=node_name, timing=self.timing,
+                                 commands=self.commands, entrypoint=self.entrypoint, base_env=base_env,
+                                 event=self._event)
+        self.ips = self._runner.ips
+        self._pods = self._runner.pods
+        self._deployments = DeploymentController(self.api, self._runner)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -225,30 +167,7 @@ class Kubelet:
 
     def _shutdown(self) -> None:
         with self._lock:
-            pods = list(self._pods.values())
-            for pod in pods:
-                for c in pod.containers:
-                    c.terminate()
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and not all(c.reap() for p in pods for c in p.containers):
-                time.sleep(0.05)
-            for pod in pods:
-                for c in pod.containers:
-                    c.kill()
-                    if c.proc is not None:
-                        try:
-                            c.proc.wait(timeout=5)
-                        except Exception:
-                            pass
-                        c.proc = None
-            api = Api(self.api_url, timeout=1.0)
-            for pod in pods:  # best effort: leave no pods behind in a still-running API
-                try:
-                    api.call('DELETE', self._pod_path(pod), ok=(200, 202, 404))
-                    self._release(pod, api)
-                except (OSError, ApiError):
-                    break
-            self._pods.clear()
+            self._runner.end_all(Api(self.api_url, timeout=1.0))
             self._events.close()
 
     # --- introspection -----------------------------------------------------------------------------
@@ -269,8 +188,8 @@ class Kubelet:
 
     def template_hash(self, deployment: str, namespace: str = 'default') -> str | None:
         with self._lock:
-            return next((d.thash for d in self._deps.values() if (d.name, d.namespace) == (deployment, namespace)),
-                        None)
+            dep = self._deployments.find(deployment, namespace)
+            return dep.thash if dep is not None else None
 
     def wait_ready(self, deployment: str, namespace: str = 'default', replicas: int | None = None,
                    timeout: float = 60.0) -> list[PodInfo]:
@@ -279,7 +198,7 @@ class Kubelet:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                dep = next((d for d in self._deps.values() if (d.name, d.namespace) == (deployment, namespace)), None)
+                dep = self._deployments.find(deployment, namespace)
                 pods = self.pods(deployment, namespace, include_terminating=True)
                 want = replicas if replicas is not None else dep.replicas if dep else None
                 if dep and want is not None and len(pods) == want and all(
@@ -309,13 +228,6 @@ class Kubelet:
 
     # --- the reconcile loop ------------------------------------------------------------------------
 
-    @staticmethod
-    def _pod_path(pod: Pod) -> str:
-        return f'/api/v1/namespaces/{pod.namespace}/pods/{pod.name}'
-
-    def _fetch(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.api.get_or_none(f'/api/v1/namespaces/{namespace}/{plural}/{name}')
-
     def _tick(self) -> None:
         listed_at = time.monotonic()
         ns_part = f'/namespaces/{self.namespace}' if self.namespace else ''
@@ -324,8 +236,7 @@ class Kubelet:
         api_pods = {(p['metadata']['namespace'], p['metadata']['name']): p
                     for p in self.api.call('GET', f'/api/v1{ns_part}/pods')['items']}
         live_deps = {d['metadata']['uid']: d for d in deps}
-        for uid in [u for u in self._deps if u not in live_deps]:
-            del self._deps[uid]
+        self._deployments.forget_all_but(live_deps)
         # Pods deleted by someone else, or whose Deployment is gone.
         for key, pod in list(self._pods.items()):
             if pod.created_mono > listed_at or pod.terminating and key in api_pods:
@@ -333,14 +244,14 @@ class Kubelet:
             obj = api_pods.get(key)
             if obj is None or obj['metadata'].get('uid') != pod.uid:
                 self._event(f'pod {key} vanished from the API')
-                self._terminate(pod, 'deleted from the API', api_gone=True)
+                self._runner.terminate(pod, 'deleted from the API', api_gone=True)
             elif obj['metadata'].get('deletionTimestamp'):
                 # 0 = "not given" here: the emulator stores 0 where a real API server would store the
                 # pod's terminationGracePeriodSeconds (only a forced delete sends 0 on a real cluster).
                 grace = obj['metadata'].get('deletionGracePeriodSeconds') or None
-                self._terminate(pod, 'deletionTimestamp set', grace=grace)
+                self._runner.terminate(pod, 'deletionTimestamp set', grace=grace)
             elif pod.deployment_uid not in live_deps:
-                self._terminate(pod, 'its Deployment is gone')
+                self._runner.terminate(pod, 'its Deployment is gone')
         # Foreign pods of our Deployments (e.g. from an earlier stand-in): we cannot adopt processes.
         for key, obj in api_pods.items():
             refs = obj['metadata'].get('ownerReferences') or []
@@ -349,234 +260,7 @@ class Kubelet:
                 self.api.call('DELETE', f'/api/v1/namespaces/{key[0]}/pods/{key[1]}', ok=(200, 202, 404))
                 self.api.merge_patch(f'/api/v1/namespaces/{key[0]}/pods/{key[1]}', {'metadata': {'finalizers': None}})
         for dep in deps:
-            self._sync_deployment(dep)
-        self._step_pods()
+            self._deployments.sync(dep)
+        self._runner.step()
         for dep in deps:
-            self._write_deployment_status(dep)
-
-    # --- pods --------------------------------------------------------------------------------------
-
-    def _create_pod(self, dep: dict[str, Any], template: dict[str, Any], thash: str) -> None:
-        meta = dep['metadata']
-        ports = [int(p['containerPort']) for c in (template.get('spec') or {}).get('containers') or []
-                 for p in c.get('ports') or [] if p.get('containerPort')]
-        name = f'{meta["name"]}-{thash}-{random_suffix()}'
-        pod = Pod(name=name, namespace=meta['namespace'], deployment=meta['name'], deployment_uid=meta['uid'],
-                  template=template, thash=thash, ip=self.ips.allocate(ports), node_name=self.node_name,
-                  workdir=self.workdir, timing=self.timing)
-        try:
-            created = self.api.call('POST', f'/api/v1/namespaces/{pod.namespace}/pods', pod.manifest())
-        except ApiError as e:
-            self._event(f'create pod {name} failed: {e}')
-            return
-        pod.uid, pod.created_mono = created['metadata']['uid'], time.monotonic()
-        self._pods[(pod.namespace, pod.name)] = pod
-        self._event(f'created pod {pod.namespace}/{name} ip {pod.ip}')
-
-    def _terminate(self, pod: Pod, reason: str, grace: Any = None, api_gone: bool = False) -> None:
-        if pod.terminating:
-            return
-        pod.terminating = True
-        seconds = pod.grace(grace)
-        pod.term_deadline = time.monotonic() + seconds
-        self._event(f'terminating {pod.namespace}/{pod.name} ({reason}), grace {seconds} s')
-        if api_gone:
-            pod.uid = None
-        else:  # the API shows the deletion first (clients stop using the pod), then the signal
-            try:
-                self.api.call('DELETE', self._pod_path(pod), {'gracePeriodSeconds': int(seconds)}, ok=(200, 202, 404))
-            except ApiError as e:
-                self._event(f'delete pod {pod.name} failed: {e}')
-        for c in pod.containers:
-            c.kill() if seconds <= 0 else c.terminate()
-
-    def _release(self, pod: Pod, api: Api | None = None) -> None:
-        """Drop our finalizer: the (already deleted) Pod object then disappears."""
-        api = api or self.api
-        obj = api.get_or_none(self._pod_path(pod))
-        if obj is None or obj['metadata'].get('uid') != pod.uid:
-            return
-        finalizers = [f for f in obj['metadata'].get('finalizers') or [] if f != FINALIZER]
-        try:
-            api.merge_patch(self._pod_path(pod), {'metadata': {'finalizers': finalizers or None,
-                                                               'resourceVersion': obj['metadata']['resourceVersion']}})
-        except ApiError as e:
-            if e.status not in (404, 409):
-                raise
-
-    def _step_pods(self) -> None:
-        now = time.monotonic()
-        for key, pod in list(self._pods.items()):
-            if pod.terminating:
-                if not all(c.reap() for c in pod.containers):
-                    if now > pod.term_deadline:
-                        for c in pod.containers:
-                            c.kill()
-                    continue
-                self._write_pod_status(pod)
-                if pod.uid is not None:
-                    self._release(pod)
-                del self._pods[key]
-                self._event(f'pod {key} gone')
-                continue
-            for c in pod.containers:
-                if c.check_exit():
-                    self._event(f'container {pod.name}/{c.name} exited: {c.last_state}')
-                if c.proc is None and now >= c.next_start:
-                    c.start(self._fetch, self.commands, self.entrypoint, self._base_env, self.workdir)
-                    self._event(f'container {pod.name}/{c.name} started pid {c.pid} restarts {c.restarts}'
-                                if c.proc else f'container {pod.name}/{c.name} not started: {c.waiting}')
-            self._write_pod_status(pod)
-
-    def _write_pod_status(self, pod: Pod) -> None:
-        status = pod.status()
-        if status == pod.last_status or pod.uid is None:
-            return
-        try:
-            self.api.merge_patch(self._pod_path(pod) + '/status', {'status': status})
-        except ApiError as e:
-            if e.status == 404:
-                return
-            raise
-        pod.last_status = status
-        ready = next(c['status'] == 'True' for c in status['conditions'] if c['type'] == 'Ready')
-        if ready and not pod.api_ready:
-            pod.ready_since = time.monotonic()
-            self._event(f'pod {pod.name} ready')
-        pod.api_ready = ready
-
-    # --- the deployment controller -----------------------------------------------------------------
-
-    def _state(self, dep: dict[str, Any]) -> _DeploymentState:
-        meta = dep['metadata']
-        state = self._deps.get(meta['uid'])
-        if state is None:
-            state = self._deps[meta['uid']] = _DeploymentState(meta['name'], meta['namespace'], meta['uid'])
-        spec = dep.get('spec') or {}
-        state.thash = template_hash(spec.get('template') or {})
-        state.replicas = int(spec['replicas']) if spec.get('replicas') is not None else 1
-        return state
-
-    def _available(self, pod: Pod, dep: dict[str, Any]) -> bool:
-        min_ready = float((dep.get('spec') or {}).get('minReadySeconds') or 0)
-        return pod.api_ready and not pod.terminating and time.monotonic() - pod.ready_since >= min_ready
-
-    @staticmethod
-    def _limits(dep: dict[str, Any], replicas: int) -> tuple[int, int]:
-        strategy = (dep.get('spec') or {}).get('strategy') or {}
-        if strategy.get('type') == 'Recreate':
-            return 0, 0
-        rolling = strategy.get('rollingUpdate') or {}
-        surge = _scaled(rolling.get('maxSurge'), replicas, True, '25%')
-        unavailable = _scaled(rolling.get('maxUnavailable'), replicas, False, '25%')
-        if surge == 0 and unavailable == 0:
-            surge = 1  # the API server would refuse this; be lenient
-        return surge, unavailable
-
-    def _sync_deployment(self, dep: dict[str, Any]) -> None:
-        state = self._state(dep)
-        spec = dep.get('spec') or {}
-        if dep['metadata'].get('deletionTimestamp') or spec.get('paused'):
-            return
-        template, replicas = spec.get('template') or {}, state.replicas
-        pods = [p for p in self._pods.values() if p.deployment_uid == state.uid]
-        live = [p for p in pods if not p.terminating]
-        new = [p for p in live if p.thash == state.thash]
-        old = [p for p in live if p.thash != state.thash]
-        # Scale-down order: unavailable before available, newest first.
-        order = lambda ps: sorted(ps, key=lambda p: (self._available(p, dep), -p.created_mono))  # noqa: E731
-        if (spec.get('strategy') or {}).get('type') == 'Recreate':
-            if old:
-                for p in old:
-                    self._terminate(p, 'Recreate')
-            elif not any(p.terminating for p in pods):
-                self._scale(dep, template, state.thash, new, replicas, order)
-            return
-        if not old:
-            self._scale(dep, template, state.thash, new, replicas, order)
-            return
-        surge, max_unavailable = self._limits(dep, replicas)
-        if len(new) > replicas:
-            for p in order(new)[:len(new) - replicas]:
-                self._terminate(p, 'scaled down')
-            return
-        room = min(replicas - len(new), replicas + surge - len(live))
-        if room > 0:
-            for _ in range(room):
-                self._create_pod(dep, template, state.thash)
-            return
-        min_available = replicas - max_unavailable
-        new_unavailable = sum(1 for p in new if not self._available(p, dep))
-        budget = len(live) - min_available - new_unavailable
-        if budget <= 0:
-            return
-        unhealthy = [p for p in order(old) if not self._available(p, dep)][:budget]
-        for p in unhealthy:
-            self._terminate(p, 'rolling update: unhealthy old pod')
-        healthy = [p for p in order(old) if self._available(p, dep)]
-        available = sum(1 for p in live if self._available(p, dep))
-        for p in healthy[:max(0, min(budget - len(unhealthy), available - min_available))]:
-            self._terminate(p, 'rolling update')
-
-    def _scale(self, dep: dict[str, Any], template: dict[str, Any], thash: str, pods: list[Pod], replicas: int,
-               order: Any) -> None:
-        for _ in range(replicas - len(pods)):
-            self._create_pod(dep, template, thash)
-        for p in order(pods)[:max(0, len(pods) - replicas)]:
-            self._terminate(p, 'scaled down')
-
-    def _condition(self, state: _DeploymentState, ctype: str, ok: bool | None, reason: str, message: str,
-                   updated: str | None = None) -> dict[str, Any]:
-        status = 'Unknown' if ok is None else 'True' if ok else 'False'
-        if state.transitions.get(ctype, ('', ''))[0] != status:
-            state.transitions[ctype] = (status, now_iso())
-        return {'type': ctype, 'status': status, 'lastUpdateTime': updated or state.transitions[ctype][1],
-                'lastTransitionTime': state.transitions[ctype][1], 'reason': reason, 'message': message}
-
-    def _write_deployment_status(self, dep: dict[str, Any]) -> None:
-        meta, spec = dep['metadata'], dep.get('spec') or {}
-        state = self._deps.get(meta['uid'])
-        if state is None:
-            return
-        replicas = state.replicas
-        live = [p for p in self._pods.values() if p.deployment_uid == state.uid and not p.terminating]
-        updated = [p for p in live if p.thash == state.thash]
-        ready = sum(1 for p in live if p.api_ready)
-        available = sum(1 for p in live if self._available(p, dep))
-        _, max_unavailable = self._limits(dep, replicas)
-        now, rs = time.monotonic(), f'{meta["name"]}-{state.thash}'
-        progress_key = (state.thash, len(updated), sum(1 for p in updated if self._available(p, dep)), len(live))
-        if progress_key != state.progress_key:
-            state.progress_key, state.progress_at, state.progress_ts = progress_key, now, now_iso()
-        complete = len(updated) == replicas == len(live) and available >= replicas
-        deadline = float(spec.get('progressDeadlineSeconds') or 600)
-        if spec.get('paused'):
-            progressing = self._condition(state, 'Progressing', None, 'DeploymentPaused', 'Deployment is paused',
-                                          state.progress_ts)
-        elif complete:
-            progressing = self._condition(state, 'Progressing', True, 'NewReplicaSetAvailable',
-                                          f'ReplicaSet "{rs}" has successfully progressed.', state.progress_ts)
-        elif now - state.progress_at > deadline:
-            progressing = self._condition(state, 'Progressing', False, 'ProgressDeadlineExceeded',
-                                          f'ReplicaSet "{rs}" has timed out progressing.', state.progress_ts)
-        else:
-            progressing = self._condition(state, 'Progressing', True, 'ReplicaSetUpdated',
-                                          f'ReplicaSet "{rs}" is progressing.', state.progress_ts)
-        has_min = available >= replicas - max_unavailable
-        available_cond = self._condition(
-            state, 'Available', has_min, 'MinimumReplicasAvailable' if has_min else 'MinimumReplicasUnavailable',
-            'Deployment has minimum availability.' if has_min else 'Deployment does not have minimum availability.')
-        counts = {'replicas': len(live), 'updatedReplicas': len(updated), 'readyReplicas': ready,
-                  'availableReplicas': available, 'unavailableReplicas': max(0, replicas - available)}
-        status = {'observedGeneration': meta.get('generation', 1), **{k: v for k, v in counts.items() if v},
-                  'conditions': [available_cond, progressing]}
-        if status == state.last_status:
-            return
-        try:
-            self.api.merge_patch(f'/apis/apps/v1/namespaces/{meta["namespace"]}/deployments/{meta["name"]}/status',
-                                 {'status': {**status, **{k: None for k, v in counts.items() if not v}}})
-        except ApiError as e:
-            if e.status == 404:
-                return
-            raise
-        state.last_status = status
+            self._deployments.write_status(dep)

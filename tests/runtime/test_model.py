@@ -69,8 +69,8 @@ def test_a_missing_external_weight_file_is_reported(tmp_path: Path) -> None:
 
 
 def test_concurrent_requests_each_get_their_own_output(examples_dir: Path) -> None:
-    """FACTS.md: one module used from two threads returns the other thread's output. The clone
-    pool must make that impossible."""
+    """MNN (measured with 3.6.1): one module used from two threads at once returns the other
+    thread's output, silently. The clone pool must make that impossible."""
     model = LoadedModel.load(examples_dir / "v1.mnn")
     rng = np.random.default_rng(0)
     inputs = [rng.random((1, 64), dtype=np.float32) for _ in range(8)]
@@ -101,8 +101,9 @@ def test_int8_weights_v2_differs_from_v1_but_has_the_same_interface(examples_dir
 
 
 def test_a_worker_forked_after_loading_runs_the_model_without_hanging(examples_dir: Path) -> None:
-    """FACTS.md: a child forked from a parent whose MNN runtime had more than one thread hangs in
-    forward. The runtime's single one-thread runtime manager keeps `serve --workers` safe."""
+    """MNN (measured with 3.6.1): a child forked from a parent whose MNN runtime had more than one
+    thread hangs forever in forward. The runtime's single one-thread runtime manager keeps
+    `serve --workers` safe."""
     import os
     import time
 

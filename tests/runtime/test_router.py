@@ -1,4 +1,4 @@
-"""The routing contract of DESIGN.md: stable hash, 10,000 buckets, canary in the lowest buckets."""
+"""The routing contract: stable hash, 10,000 buckets, canary in the lowest buckets."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """hash(salt, key) -> bucket -> version. Pure: no I/O, no clock, no process-local state.
 
-Contract (DESIGN.md):
-- 10,000 buckets; ``bucket = int.from_bytes(sha256(salt + "\\0" + key)[:8], "big") % 10000``.
+The routing contract, the same in every pod, across restarts and machines:
+- 10,000 buckets; ``bucket = int.from_bytes(sha256(salt + "\\0" + key)[:8], "big") % 10000``
+  (never Python's ``hash()``, which changes per process).
 - Non-stable versions own the lowest buckets, one range after another in the order they are
   listed in the config; the stable version owns the remaining top buckets. With one canary it owns
   ``[0, w_canary)``, so raising its weight only moves users from stable to the canary.
