@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from loadgen import run_load  # noqa: E402
 from throughput import json_bodies  # noqa: E402
 
+from mnn_rollout.local.process import LocalRuntime  # noqa: E402
 from mnn_runtime.examples import build_examples  # noqa: E402
 from mnn_runtime.model import LoadedModel  # noqa: E402
-from tests.runtime_server import RuntimeServer  # noqa: E402
 
 MODEL = "v2-slow"
 
@@ -72,8 +72,8 @@ def main() -> None:
                     (f"batching on (max {args.max_batch_size}, delay {args.delay_us} us)",
                      {"max_batch_size": args.max_batch_size, "max_queue_delay_microseconds": args.delay_us})]
         for name, batching in settings:
-            srv = RuntimeServer(write_config(root, batching), root / f"{name[:12]}.log",
-                                extra_args=["--workers", str(args.workers), "--log-level", "warning"])
+            srv = LocalRuntime(write_config(root, batching), root / f"{name[:12]}.log",
+                               extra_args=["--workers", str(args.workers)], log_in_errors=True)
             srv.start()
             try:
                 url = srv.url + "/v2/models/scorer/infer"

@@ -17,14 +17,12 @@ worker killed with SIGKILL.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,80 +37,34 @@ sys.path.insert(0, str(ROOT / "bench"))
 from peers import pss_kb, requests_total, tree  # noqa: E402
 from throughput import json_bodies  # noqa: E402
 
+from mnn_rollout.local.net import write_atomic  # noqa: E402
+from mnn_rollout.local.process import LocalRuntime  # noqa: E402
+from mnn_rollout.local.traffic import Sample, Traffic  # noqa: E402
 from mnn_runtime.examples import build_examples  # noqa: E402
-from tests.runtime_server import RuntimeServer  # noqa: E402
 
-INFER = "/v2/models/scorer/infer"
-
-
-@dataclass
-class Record:
-    samples: list[tuple[float, float, int]] = field(default_factory=list)  # (start, latency s, status; 0 = error)
-    reconnects: int = 0
-    errors_by_connection: dict[int, int] = field(default_factory=dict)
-
-    def window(self, start: float, end: float) -> list[tuple[float, float, int]]:
-        return [s for s in self.samples if start <= s[0] < end]
+CONNECTIONS = 8
 
 
-def p99(samples: list[tuple[float, float, int]]) -> float:
-    lat = [s[1] for s in samples if s[2] == 200]
+def load(url: str, seconds: float) -> Traffic:
+    """The closed loop under which the changes happen: unpaced, 8 keep-alive connections that
+    reconnect on ``Connection: close``, 64 JSON bodies each with its own key."""
+    return Traffic(url, bodies=json_bodies(), keys=[f"user-{i}" for i in range(64)], rate=None,
+                   connections=CONNECTIONS, max_seconds=seconds, retry_pause=0).start()
+
+
+def warm(url: str, requests: int, version: str | None = None) -> None:
+    """``requests`` requests, each on a fresh connection (spread over the workers)."""
+    Traffic(url, bodies=json_bodies(1), users=0, rate=None, connections=1, keep_alive=False,
+            max_requests=requests, max_seconds=60, headers={"X-Model-Version": version} if version else None).run()
+
+
+def p99(samples: list[Sample]) -> float:
+    lat = [s.latency for s in samples if s.status == 200]
     return float(np.percentile(lat, 99) * 1000) if lat else float("nan")
 
 
-async def _connection(host: str, port: int, requests: list[bytes], offset: int, stop_at: float, record: Record) -> None:
-    reader: asyncio.StreamReader | None = None
-    writer: asyncio.StreamWriter | None = None
-    n = offset
-    while time.perf_counter() < stop_at:
-        if writer is None:
-            reader, writer = await asyncio.open_connection(host, port)
-        assert reader is not None
-        started = time.perf_counter()
-        status, close = 0, True
-        try:
-            writer.write(requests[n % len(requests)])
-            head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head[9:12])
-            length, close = 0, False
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.lower() == b"content-length":
-                    length = int(value)
-                elif name.lower() == b"connection" and value.strip().lower() == b"close":
-                    close = True
-            await reader.readexactly(length)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            status, close = 0, True
-            record.errors_by_connection[offset] = record.errors_by_connection.get(offset, 0) + 1
-        record.samples.append((started, time.perf_counter() - started, status))
-        if close:
-            writer.close()
-            writer = None
-            record.reconnects += 1
-        n += 7
-    if writer is not None:
-        writer.close()
-
-
-def load(url: str, seconds: float, concurrency: int = 8) -> tuple[threading.Thread, Record]:
-    u = httpx.URL(url)
-    assert u.host.startswith("127."), "loopback targets only"
-    requests = []
-    for i, body in enumerate(json_bodies()):
-        head = (f"POST {INFER} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nX-User-Id: user-{i}\r\n\r\n")
-        requests.append(head.encode() + body)
-    record = Record()
-    stop_at = time.perf_counter() + seconds
-
-    async def main() -> None:
-        await asyncio.gather(*(_connection(u.host, int(u.port or 80), requests, i, stop_at, record)
-                               for i in range(concurrency)))
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()))
-    thread.start()
-    return thread, record
+def sent_in(samples: list[Sample], start: float, end: float) -> list[Sample]:
+    return [s for s in samples if start <= s.sent < end]
 
 
 def children(pid: int) -> set[int]:
@@ -120,63 +72,63 @@ def children(pid: int) -> set[int]:
     return {int(p) for p in path.read_text().split()} if path.exists() else set()
 
 
+def runtime(config: Path, log: Path, workers: int) -> LocalRuntime:
+    return LocalRuntime(config, log, extra_args=["--workers", str(workers)], log_level="info", stop_timeout=40,
+                        log_in_errors=True)
+
+
 def total_pss_mb(pid: int) -> float:
     return sum(pss_kb(p) for p in tree(pid)) / 1024
 
 
 def write(path: Path, config: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config))
-    tmp.replace(path)
+    write_atomic(path, yaml.safe_dump(config))
 
 
 def hot_add(root: Path, workers: int, seconds: float) -> dict[str, Any]:
     config_path = root / f"hot-{workers}.yaml"
     config: dict[str, Any] = {"model": "scorer", "versions": [{"name": "v1", "uri": "v1.mnn"}], "weights": {"v1": 100}}
     write(config_path, config)
-    srv = RuntimeServer(config_path, root / f"hot-{workers}.log", extra_args=["--workers", str(workers),
-                                                                                 "--log-level", "info"])
+    srv = runtime(config_path, root / f"hot-{workers}.log", workers)
     srv.start()
     try:
         assert srv.proc is not None
-        for _ in range(200):  # every worker serves and settles before measuring
-            httpx.post(srv.url + INFER, content=json_bodies(1)[0], headers={"content-type": "application/json"})
+        warm(srv.url, 200)  # every worker serves and settles before measuring
         time.sleep(1.0)
         pss_before = total_pss_mb(srv.proc.pid)
         before = children(srv.proc.pid)
-        thread, record = load(srv.url, seconds)
+        traffic = load(srv.url, seconds)
         time.sleep(seconds / 3)
-        changed_at = time.perf_counter()
+        changed_at = time.monotonic()
         config["versions"].append({"name": "large", "uri": "large.mnn"})
         config["weights"] = {"v1": 90, "large": 10}
         write(config_path, config)
         replaced_at = None
-        while thread.is_alive():
+        while traffic.running:
             now = children(srv.proc.pid)
             if replaced_at is None and workers > 1 and now and before.isdisjoint(now) and len(now) == workers:
-                replaced_at = time.perf_counter()
+                replaced_at = time.monotonic()
             if replaced_at is None and workers == 1:
                 status = httpx.get(srv.url + "/v2/models/scorer/status").json()
                 if status["versions"].get("large", {}).get("ready"):
-                    replaced_at = time.perf_counter()
+                    replaced_at = time.monotonic()
             time.sleep(0.05)
-        thread.join()
+        traffic.stop()
         time.sleep(1.0)
-        for _ in range(200):  # the new workers have served both versions
-            httpx.post(srv.url + INFER, content=json_bodies(1)[0], headers={"content-type": "application/json",
-                                                                          "x-model-version": "large"})
+        warm(srv.url, 200, version="large")  # the new workers have served both versions
         pss_after = total_pss_mb(srv.proc.pid)
-        start = record.samples[0][0] if record.samples else changed_at
-        done = replaced_at or time.perf_counter()
-        served_large = sum(1 for s in record.samples if s[2] == 200 and s[0] > done)
+        samples = traffic.samples()
+        start = min((s.sent for s in samples), default=changed_at)
+        done = replaced_at or time.monotonic()
+        served_large = sum(1 for s in samples if s.status == 200 and s.sent > done)
         return {
             "workers": workers,
-            "requests": len(record.samples),
-            "failed": sum(1 for s in record.samples if s[2] != 200),
-            "reconnects": record.reconnects,
-            "p99_before": p99(record.window(start, changed_at)),
-            "p99_during": p99(record.window(changed_at, done + 0.5)),
-            "p99_after": p99(record.window(done + 0.5, time.perf_counter())),
+            "requests": len(samples),
+            "failed": sum(1 for s in samples if s.status != 200),
+            "reconnects": traffic.reconnects,
+            "p99_before": p99(sent_in(samples, start, changed_at)),
+            "p99_during": p99(sent_in(samples, changed_at, done + 0.5)),
+            "p99_after": p99(sent_in(samples, done + 0.5, time.monotonic())),
             "change_s": done - changed_at,
             "pss_added_mb": pss_after - pss_before,
             "served_after": served_large,
@@ -188,35 +140,37 @@ def hot_add(root: Path, workers: int, seconds: float) -> dict[str, Any]:
 def sigkill(root: Path, workers: int, seconds: float) -> dict[str, Any]:
     config_path = root / "kill.yaml"
     write(config_path, {"model": "scorer", "versions": [{"name": "v1", "uri": "v1.mnn"}], "weights": {"v1": 100}})
-    srv = RuntimeServer(config_path, root / "kill.log", extra_args=["--workers", str(workers), "--log-level", "info"])
+    srv = runtime(config_path, root / "kill.log", workers)
     srv.start()
     try:
         assert srv.proc is not None
-        thread, record = load(srv.url, seconds)
+        traffic = load(srv.url, seconds)
         time.sleep(seconds / 3)
         total_before = requests_total(srv.url)
         victim = sorted(children(srv.proc.pid))[0]
-        killed_at = time.perf_counter()
+        killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         totals = [total_before]
         replaced = None
-        while thread.is_alive():
+        while traffic.running:
             now = children(srv.proc.pid)
             if replaced is None and victim not in now and len(now) == workers:
-                replaced = time.perf_counter() - killed_at
+                replaced = time.monotonic() - killed_at
             totals.append(requests_total(srv.url))
             time.sleep(0.1)
-        thread.join()
+        traffic.stop()
         totals.append(requests_total(srv.url))
+        samples = traffic.samples()
+        errors_by_connection = Counter(s.conn for s in samples if s.status == 0)
         return {
-            "requests": len(record.samples),
-            "failed": sum(1 for s in record.samples if s[2] != 200),
+            "requests": len(samples),
+            "failed": sum(1 for s in samples if s.status != 200),
             "replaced_s": replaced,
             "counter_monotonic": all(b >= a for a, b in zip(totals, totals[1:])),
             "counter_before": total_before,
             "counter_after": totals[-1],
-            "connections_hit": len(record.errors_by_connection),
-            "max_errors_per_connection": max(record.errors_by_connection.values(), default=0),
+            "connections_hit": len(errors_by_connection),
+            "max_errors_per_connection": max(errors_by_connection.values(), default=0),
         }
     finally:
         srv.stop()
@@ -245,7 +199,8 @@ def main() -> None:
           f"{single['pss_added_mb']:.0f} MB in one process = {shared['pss_added_mb'] / single['pss_added_mb']:.2f}x "
           f"(a copy per worker: {w:.2f}x)")
     print("\n2. one worker killed with SIGKILL under load")
-    print(f"requests {killed['requests']}, failed {killed['failed']}: on {killed['connections_hit']} of 8 connections "
+    print(f"requests {killed['requests']}, failed {killed['failed']}: on {killed['connections_hit']} of {CONNECTIONS} "
+          "connections "
           f"(the ones the killed worker held), at most {killed['max_errors_per_connection']} per connection (its "
           f"request in flight); replaced after {killed['replaced_s']:.2f} s; /metrics requests_total "
           f"{killed['counter_before']:.0f} -> {killed['counter_after']:.0f}, never went back: "

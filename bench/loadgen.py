@@ -1,10 +1,12 @@
-"""A small closed-loop HTTP/1.1 load generator (keep-alive, raw asyncio streams).
+"""Load for the benchmarks: the project's traffic generator and external closed-loop drivers.
 
-``run_load``: cheaper per request than any Python HTTP client library, but still Python: with 2
-server workers on 2 cores it, not the server, became the limit (bench/RESULTS.md).
-``run_wrk`` (wrk, C) and ``run_grpc`` (a grpc.aio client in its own process) run the same closed
-loop for bench/throughput.py and report a :class:`Measured` with the errors counted.
-Loopback targets only.
+``run_load``: the closed loop of the project's one traffic generator
+(``mnn_rollout.local.traffic.Traffic``, raw asyncio streams over keep-alive connections): cheaper
+per request than any Python HTTP client library, but still Python: with 2 server workers on 2
+cores it, not the server, became the limit (bench/RESULTS.md).
+``run_wrk`` (wrk, C), ``run_h2load`` (h2load, C) and ``run_grpc`` (a grpc.aio client in its own
+process) run the same closed loop for bench/throughput.py and report a :class:`Measured` with the
+errors counted. Loopback targets only.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from mnn_rollout.local.net import require_loopback
+from mnn_rollout.local.traffic import Traffic
+
 
 @dataclass
 class LoadResult:
     concurrency: int
     seconds: float
     latencies: list[float] = field(default_factory=list)
-    statuses: dict[int, int] = field(default_factory=dict)
+    statuses: dict[int, int] = field(default_factory=dict)  # status -> requests (0: no answer)
 
     @property
     def rps(self) -> float:
@@ -39,62 +44,14 @@ class LoadResult:
         return float(np.percentile(self.latencies, q) * 1000) if self.latencies else float("nan")
 
 
-def build_request(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[str, int, bytes]:
-    u = urlparse(url)
-    assert u.hostname is not None and u.hostname.startswith("127."), "loopback targets only"
-    lines = [f"POST {u.path} HTTP/1.1", f"Host: {u.hostname}:{u.port}", "Content-Type: application/json",
-             f"Content-Length: {len(body)}"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    return u.hostname, int(u.port or 80), ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
-async def _read_response(reader: asyncio.StreamReader) -> int:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line[:15].lower() == b"content-length:":
-            length = int(line[15:])
-    if length:
-        await reader.readexactly(length)
-    return status
-
-
-async def _run(host: str, port: int, requests: list[bytes], concurrency: int, duration: float,
-               max_requests: int) -> LoadResult:
-    result = LoadResult(concurrency, duration)
-    stop_at = time.perf_counter() + duration
-    sent = 0
-
-    async def worker(i: int) -> None:
-        nonlocal sent
-        reader, writer = await asyncio.open_connection(host, port)
-        n = i
-        while time.perf_counter() < stop_at and sent < max_requests:
-            sent += 1
-            started = time.perf_counter()
-            writer.write(requests[n % len(requests)])
-            status = await _read_response(reader)
-            result.latencies.append(time.perf_counter() - started)
-            result.statuses[status] = result.statuses.get(status, 0) + 1
-            n += concurrency
-        writer.close()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    result.seconds = time.perf_counter() - started
-    return result
-
-
 def run_load(url: str, bodies: list[bytes], concurrency: int, duration: float, keys: list[str] | None = None,
-             max_requests: int = 2_000_000) -> LoadResult:
-    """Closed loop: ``concurrency`` connections each send the next request when the last returns."""
-    requests = []
-    for i, body in enumerate(bodies):
-        headers = {"X-User-Id": keys[i % len(keys)]} if keys else None
-        host, port, raw = build_request(url, body, headers)
-        requests.append(raw)
-    return asyncio.run(_run(host, port, requests, concurrency, duration, max_requests))
+             max_requests: int = 2_000_000, headers: dict[str, str] | None = None) -> LoadResult:
+    """Closed loop: ``concurrency`` connections each POST the next request to ``url`` when the last
+    returns (``bodies`` in turn, X-User-Id rotated over ``keys``, ``headers`` on every request)."""
+    traffic = Traffic(url, bodies=bodies, keys=keys or [], headers=headers, rate=None, connections=concurrency,
+                      max_seconds=duration, max_requests=max_requests, retry_pause=0).run()
+    return LoadResult(concurrency, traffic.elapsed, [s.latency for s in traffic.samples()],
+                      dict(traffic.statuses()))
 
 
 # -- the same closed loop with cheaper generators: wrk for HTTP, a gRPC client process ----------
@@ -196,8 +153,7 @@ def run_wrk(url: str, bodies: list[bytes], concurrency: int, seconds: float, hea
     """Closed loop with wrk (one thread, ``concurrency`` keep-alive connections, whole seconds),
     POSTing ``bodies`` in turn with ``headers`` (Content-Type defaults to JSON) and X-User-Id
     rotated over ``keys``."""
-    u = urlparse(url)
-    assert u.hostname is not None and u.hostname.startswith("127."), "loopback targets only"
+    require_loopback(urlparse(url).hostname or "")
     duration = max(1, round(seconds))
     with tempfile.TemporaryDirectory(prefix="wrk-") as tmp:
         files = []
@@ -288,8 +244,7 @@ async def _grpc_run(target: str, requests: list[bytes], concurrency: int, durati
 def run_grpc(target: str, requests: list[bytes], concurrency: int, seconds: float,
              keys: list[str] | None = None) -> Measured:
     """The gRPC closed loop in a fresh interpreter (another process, like wrk), bounded in time."""
-    host = target.rsplit(":", 1)[0]
-    assert host.startswith("127."), "loopback targets only"
+    require_loopback(target.rsplit(":", 1)[0])
     with tempfile.TemporaryDirectory(prefix="grpcload-") as tmp:
         req_file = Path(tmp) / "requests.json"
         req_file.write_text(json.dumps({"requests": [r.hex() for r in requests], "keys": keys or []}))
@@ -308,8 +263,7 @@ def run_h2load(target: str, message: bytes, concurrency: int, seconds: float,
     """Closed loop of unary ModelInfer calls with h2load (one connection per caller, one call in
     flight on each). h2load sees HTTP statuses, not gRPC's: the caller checks the server's own
     count of successes. It reports no percentiles: p50 holds its mean and p99 is NaN."""
-    host = target.rsplit(":", 1)[0]
-    assert host.startswith("127."), "loopback targets only"
+    require_loopback(target.rsplit(":", 1)[0])
     assert H2LOAD is not None, "h2load is not installed (apt-get install nghttp2-client)"
     duration = max(1, round(seconds))
     with tempfile.TemporaryDirectory(prefix="h2load-") as tmp:

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from peers import pss_kb, start_mlserver, stop, tree  # noqa: E402
 
+from mnn_rollout.local.process import LocalRuntime  # noqa: E402
 from mnn_runtime.examples import build_examples  # noqa: E402
-from tests.runtime_server import RuntimeServer  # noqa: E402
 
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
 
@@ -47,7 +47,7 @@ def measure(pids: list[int]) -> int:
     return sum(pss_kb(p) for pid in pids for p in tree(pid))
 
 
-def pids(servers: list[RuntimeServer]) -> list[int]:
+def pids(servers: list[LocalRuntime]) -> list[int]:
     return [s.proc.pid for s in servers if s.proc is not None]
 
 
@@ -65,14 +65,16 @@ def main() -> None:
                                                                           {"name": "b", "uri": "large.mnn"}]}))
         rows = []
         for n in counts:
-            shared = RuntimeServer(config, root / f"shared-{n}.log", extra_args=["--workers", str(n)])
+            shared = LocalRuntime(config, root / f"shared-{n}.log", extra_args=["--workers", str(n)], log_level="info",
+                                  stop_timeout=40, log_in_errors=True)
             shared.start(timeout=120)
             try:
                 warm(shared.url)
                 ours = measure(pids([shared]))
             finally:
                 shared.stop()
-            copies = [RuntimeServer(config, root / f"copy-{n}-{i}.log") for i in range(n)]
+            copies = [LocalRuntime(config, root / f"copy-{n}-{i}.log", log_level="info", log_in_errors=True)
+                      for i in range(n)]
             try:
                 for s in copies:
                     s.start(timeout=120)

@@ -1,8 +1,9 @@
 """Peer servers the benchmarks compare against, started on free loopback ports.
 
 - MLServer 1.7.1 (in its own virtualenv, ``ROOT/.bench-venv/mlserver``, created on first use and
-  kept; FACTS.md: ``uvloop==0.21.0`` or parallel workers crash at start) serving the ``.mnn`` file
-  through the minimal custom runtime in ``bench/baselines/mlserver_mnn.py``, ``debug: false``.
+  kept; with ``uvloop==0.21.0`` pinned: with a newer uvloop its parallel workers crash at start)
+  serving the ``.mnn`` file through the minimal custom runtime in
+  ``bench/baselines/mlserver_mnn.py``, ``debug: false``.
 - The plain FastAPI + pydantic app of ``bench/baselines/plain_fastapi.py`` under uvicorn.
 
 Both answer ``POST /v2/models/scorer/infer`` like ``mnn-rollout serve``. Each ``start_*`` returns
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,17 +25,13 @@ from pathlib import Path
 
 import httpx
 
+from mnn_rollout.local.net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "bench" / "baselines"
 MLSERVER_VENV = ROOT / ".bench-venv" / "mlserver"
 MLSERVER_PACKAGES = ("mlserver==1.7.1", "uvloop==0.21.0", "MNN==3.6.1", "numpy")
 MODEL_NAME = "scorer"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def tree(pid: int) -> list[int]:

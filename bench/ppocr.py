@@ -16,7 +16,6 @@ Exits 1 when a served output is missing or differs from onnxruntime's by more th
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import re
@@ -36,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import LoadResult, _run, build_request, run_load  # noqa: E402
+from loadgen import LoadResult, run_load  # noqa: E402
 
-from tests.runtime_server import RuntimeServer  # noqa: E402
+from mnn_rollout.local.process import LocalRuntime  # noqa: E402
 
 PACKAGE = "rapidocr_onnxruntime"
 # name -> (ONNX file in the wheel's models/, input shape N x C x H x W as PP-OCR feeds it)
@@ -203,8 +202,8 @@ def decode_binary_response(resp: httpx.Response) -> np.ndarray:
 
 
 def run_binary(url: str, body: bytes, head_len: int, c: int, seconds: float) -> LoadResult:
-    host, port, raw = build_request(url, body, {"Inference-Header-Content-Length": str(head_len)})
-    return asyncio.run(_run(host, port, [raw], c, seconds, MAX_CALLS))
+    return run_load(url, [body], c, seconds, max_requests=MAX_CALLS,
+                    headers={"Inference-Header-Content-Length": str(head_len)})
 
 
 # -- one model ----------------------------------------------------------------------------------
@@ -257,8 +256,7 @@ def bench_model(kind: str, src: Path, shape: tuple[int, ...], work: Path, args: 
     # the models leave height and width open: warm them up at the shape they will serve
     config.write_text(f"model: {model}\nversions:\n  - name: v1\n    uri: {dst.name}\n"
                       f"    warmup_shapes: {{x: {list(x.shape)}}}\n")
-    srv = RuntimeServer(config, work / f"{kind}.log",
-                        extra_args=["--workers", str(args.workers), "--log-level", "warning"])
+    srv = LocalRuntime(config, work / f"{kind}.log", extra_args=["--workers", str(args.workers)])
     try:
         srv.start(timeout=60)
     except RuntimeError:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,56 +27,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mnn_rollout.local.traffic import Traffic  # noqa: E402
 from mnn_runtime.examples import build_examples  # noqa: E402
 from tests.k8s.harness import EmulatorProcess  # noqa: E402
 from tests.k8s.kubelet import Kubelet  # noqa: E402
 from tests.operator.cluster import CRD, PEERING_CRD, Cluster, wait_for  # noqa: E402
 
-BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
 FLAGGER_INTERVAL, FLAGGER_THRESHOLD = 60.0, 1
 TARGET_P95 = 5.0
-
-
-class FailureClock:
-    """Steady traffic; remembers when the first failed response after ``arm()`` arrived."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.first_failure: float | None = None
-        self.armed = False
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def arm(self) -> None:
-        self.first_failure, self.armed = None, True
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception as exc:  # make a dead load loop visible
-            print(f"traffic stopped: {exc!r}", flush=True)
-            raise
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + 1800
-        i = 0
-        with httpx.Client(timeout=5) as client:
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                pods = self.cluster.pods()
-                if not pods:
-                    time.sleep(0.1)
-                    continue
-                pod = pods[i % len(pods)]
-                try:
-                    r = client.post(f"http://{pod.ip}:{pod.port}/v2/models/scorer/infer", json=BODY,
-                                    headers={"X-User-Id": f"user-{i % 1000}"})
-                    failed = r.status_code != 200
-                except httpx.HTTPError:
-                    failed = True
-                if failed and self.armed and self.first_failure is None:
-                    self.first_failure = time.monotonic()
-                i += 1
-                time.sleep(0.004)
 
 
 def all_pods_stable(cluster: Cluster) -> bool:
@@ -95,22 +52,22 @@ def spec(cluster: Cluster, path: str) -> dict[str, Any]:
     obj["spec"]["strategy"] = {"steps": [{"weight": 20, "pause": "1h"}],
                                "analysis": {"interval": interval, "minRequests": 3, "failureLimit": 1,
                                             "metrics": [{"name": "error-rate", "max": 0.05}]}}
-    obj["spec"]["progressDeadlineSeconds"] = 3600
+    obj["spec"]["progressDeadlineSeconds"] = 7200  # longer than the 1 h interval of the alertmanager path
     obj["spec"]["weights"] = None  # kubectl apply: drop the static split for the canary
     return obj
 
 
-def one_run(cluster: Cluster, clock: FailureClock, first: bool) -> float:
-    clock.arm()
+def one_run(cluster: Cluster, traffic: Traffic, path: str, first: bool) -> float:
+    """Seconds from the first failed answer after the canary starts to every pod at stable 100%."""
+    armed = time.monotonic()
     if first:
-        cluster.apply(spec(cluster, clock.path))  # type: ignore[attr-defined]
+        cluster.apply(spec(cluster, path))
     else:
         cluster.emu.kubectl("annotate", "md", "scorer", "--overwrite", f"mnnrollout.io/action=retry:{time.time()}")
-    wait_for(lambda: clock.first_failure is not None, 60, "first failed request", interval=0.01)
+    onset = wait_for(lambda: traffic.first_failure(armed), 60, "first failed request", interval=0.01)
     wait_for(lambda: cluster.status().get("phase") == "RolledBack" and all_pods_stable(cluster), 60,
              "every pod at stable 100%", interval=0.02)
-    assert clock.first_failure is not None
-    return time.monotonic() - clock.first_failure
+    return time.monotonic() - onset.done
 
 
 def run_path(path: str, runs: int, models: Path, workdir: Path) -> list[float]:
@@ -133,16 +90,17 @@ def run_path(path: str, runs: int, models: Path, workdir: Path) -> list[float]:
         wait_for(lambda: cluster.status().get("phase") == "Ready", 60, "Ready")
         if path == "alertmanager":
             stack = start_alerting(cluster, op, workdir)
-        clock = FailureClock(cluster)
-        clock.path = path  # type: ignore[attr-defined]
-        clock.thread.start()
+        # steady traffic spread over the pods, as a Service would: ~200 requests/s, one at a time
+        traffic = Traffic(cluster.pods, users=1000, rate=200, connections=1, max_seconds=1800, timeout=5).start()
+        stack.append(traffic)
         times = []
         for i in range(runs):
             if path == "alertmanager" and i:
                 wait_for(lambda: not firing(stack[1]), 120, "alert resolved", interval=0.5)
-            times.append(one_run(cluster, clock, first=i == 0))
+            if not traffic.running:
+                raise RuntimeError(f"the traffic stopped: {traffic.error!r}")
+            times.append(one_run(cluster, traffic, path, first=i == 0))
             print(f"  {path} run {i + 1}: {times[-1]:.2f} s", flush=True)
-        clock.stop.set()
         return times
     finally:
         for proc in stack:

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from loadgen import run_load  # noqa: E402
 
+from mnn_rollout.local.process import LocalRuntime  # noqa: E402
 from mnn_runtime.examples import FEATURES, build_examples  # noqa: E402
 from mnn_runtime.model import LoadedModel  # noqa: E402
-from tests.runtime_server import RuntimeServer  # noqa: E402
 
 
 def raw_loop(path: Path, seconds: float) -> tuple[float, float, float]:
@@ -52,7 +52,7 @@ def main() -> None:
         rows = []
         rps, p50, p99 = raw_loop(root / "v1.mnn", args.seconds)
         rows.append(("raw MNN forward loop, in process", 1, rps, p50, p99))
-        server = RuntimeServer(root / "runtime.yaml", log_path=root / "server.log")
+        server = LocalRuntime(root / "runtime.yaml", root / "server.log", log_level="info", log_in_errors=True)
         server.start()
         try:
             rng = np.random.default_rng(1)

@@ -47,8 +47,9 @@ from loadgen import H2LOAD, Measured, grpc_requests, run_grpc, run_h2load, run_w
 from peers import cpu_by_process, machine_busy_seconds, requests_total, start_fastapi, start_mlserver, stop  # noqa: E402
 from runtime_overhead import raw_loop  # noqa: E402
 
+from mnn_rollout.local.net import free_port  # noqa: E402
+from mnn_rollout.local.process import LocalRuntime  # noqa: E402
 from mnn_runtime.examples import FEATURES, build_examples  # noqa: E402
-from tests.runtime_server import RuntimeServer, free_port  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
 KEYS = [f"user-{i}" for i in range(1000)]
@@ -131,8 +132,9 @@ def sweep(pid: int, load: Callable[[int], Measured], rounds: int) -> list[tuple[
 
 def bench_ours(root: Path, workers: int, args: argparse.Namespace, rows: list[Row]) -> None:
     grpc_port = free_port()
-    srv = RuntimeServer(root / "runtime.yaml", root / f"ours-{workers}.log",
-                        extra_args=["--workers", str(workers), "--log-level", "warning", "--grpc-port", str(grpc_port)])
+    srv = LocalRuntime(root / "runtime.yaml", root / f"ours-{workers}.log",
+                       extra_args=["--workers", str(workers), "--grpc-port", str(grpc_port)], stop_timeout=40,
+                       log_in_errors=True)
     srv.start()
     try:
         assert srv.proc is not None

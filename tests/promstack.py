@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.runtime_server import free_port
+from mnn_rollout.local.net import WaitTimeout, free_port, wait_for
 
 PROMETHEUS_BIN = os.environ.get("PROMETHEUS_BIN", "prometheus")
 ALERTMANAGER_BIN = os.environ.get("ALERTMANAGER_BIN", "prometheus-alertmanager")
@@ -207,18 +207,13 @@ class Prometheus(_Process):
         return float(result[0]["value"][1]) if result else None
 
     def wait_until(self, check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = check()
-            except (httpx.HTTPError, PromStackError, ValueError, KeyError, IndexError) as exc:
-                last = exc
-            else:
-                if last:
-                    return last
-            time.sleep(interval)
-        raise PromStackError(f"{what} not met within {timeout} s (last: {last!r}):\n{self.log()}")
+        """``wait_for`` retrying while Prometheus is unreachable or its answer is incomplete; a
+        PromStackError with Prometheus's log when it times out."""
+        try:
+            return wait_for(check, timeout, what, interval,
+                            retry_on=(httpx.HTTPError, PromStackError, ValueError, KeyError, IndexError))
+        except WaitTimeout as exc:
+            raise PromStackError(f"{exc}:\n{self.log()}") from None
 
     def wait_for_up(self, timeout: float = 30.0) -> float:
         """Wait until ``up`` is 1 for every configured target (and only those); returns the seconds waited."""
@@ -261,8 +256,8 @@ class Alertmanager(_Process):
         }, sort_keys=False))
 
     def command(self) -> list[str]:
-        # An empty --cluster.listen-address turns gossip off: without it the first notification waits
-        # ~10 s for peers to settle (FACTS.md).
+        # An empty --cluster.listen-address turns gossip off: without it Alertmanager holds its first
+        # notification until the gossip has settled (it logs "gossip settled; proceeding" after ~10 s).
         return [self.binary, f"--config.file={self.config_path}", f"--storage.path={self.storage}",
                 f"--web.listen-address={self.host}:{self.port}", "--cluster.listen-address=",
                 "--log.level=info"]

@@ -2,10 +2,11 @@
 model-settings.json), for the peer benchmarks. It runs in MLServer's own virtualenv
 (bench/peers.py creates it), not the project's: MLServer 1.7.1 + MNN 3.6.1 + numpy.
 
-As FACTS.md advises: a runtime manager with numThread=1 (the ``thread_num`` argument is ignored,
-and without a runtime manager MNN starts a 4-thread pool), inputs as a list of Vars, outputs
-copied out of MNN's buffer. One module per MLServer worker process; requests of one process run
-one at a time on its event loop, so the module is never used from two threads at once.
+MNN driven as the runtime drives it (runtime/mnn_runtime/model.py): a runtime manager with
+numThread=1, since MNN 3.6.1 ignores the ``thread_num`` argument and without a runtime manager
+starts a 4-thread pool; inputs as a list of Vars; outputs copied out of MNN's buffer. One module
+per MLServer worker process; requests of one process run one at a time on its event loop, so the
+module is never used from two threads at once.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The baseline FACTS.md measured: a plain FastAPI + pydantic OIP endpoint around the same MNN
-model, one model copy per uvicorn worker. Run: MODEL=path uvicorn baselines.plain_fastapi:app"""
+"""The baseline of the target "mnn-rollout JSON >= 2x a plain FastAPI app" (bench/throughput.py): a
+plain FastAPI + pydantic OIP endpoint around the same MNN model, one model copy per uvicorn
+worker. Run: MODEL=path uvicorn baselines.plain_fastapi:app"""
 
 from __future__ import annotations
 

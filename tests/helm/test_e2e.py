@@ -36,6 +36,8 @@ import httpx
 import pytest
 import yaml
 
+from mnn_rollout.local.net import free_port
+from mnn_rollout.local.traffic import Traffic
 from tests.helm import rbac
 from tests.helm.chart import NAMESPACE, RELEASE, Rendered, render
 from tests.k8s.fixtures import k8s_emulator_factory  # noqa: F401
@@ -44,8 +46,6 @@ from tests.k8s.kubelet import Kubelet
 from tests.k8s.kubelet_fixtures import kubelet_factory  # noqa: F401
 from tests.operator.cluster import Cluster, OperatorProcess, wait_for
 from tests.operator.test_e2e_rollout import canary, start_stable
-from tests.operator.traffic import Traffic
-from tests.runtime_server import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -169,7 +169,7 @@ def test_the_installed_chart_runs_a_canary_rollout(chart_cluster: ChartCluster) 
     assert httpx.get(op.liveness_url, timeout=5).status_code == 200
 
     # one canary rollout, promoted through every step under traffic
-    with Traffic(cluster.pods):
+    with Traffic(cluster.pods, users=500, rate=120, connections=2):
         cluster.apply(canary(cluster))
         wait_for(lambda: cluster.status().get("phase") == "Succeeded", 90, "phase Succeeded", interval=0.2)
     st = cluster.status()

@@ -3,7 +3,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from mnn_rollout.contract.routing import RoutingTable
+from mnn_rollout.local.net import wait_for
 
 from .harness import EmulatorProcess
 from .kubelet import Kubelet
@@ -68,17 +69,6 @@ def deployment(replicas: int = 2, configmap: str = 'scorer-routing', **spec: Any
 def ok(result: tuple[int, Any], *codes: int) -> Any:
     assert result[0] in (codes or (200, 201)), result
     return result[1]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f'timed out after {timeout} s waiting for {what}')
-        time.sleep(interval)
 
 
 @pytest.fixture

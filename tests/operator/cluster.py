@@ -6,17 +6,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from mnn_rollout.local import net
+from mnn_rollout.local.net import free_port
 from tests.k8s.harness import EmulatorProcess
 from tests.k8s.kubelet import Kubelet
-from tests.runtime_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "modeldeployment.yaml"
@@ -25,19 +25,9 @@ EXAMPLE_PREFIX = "file:///opt/mnn-rollout/examples/"
 MD_PATH = "/apis/mnnrollout.io/v1alpha1/namespaces/default/modeldeployments"
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str = "condition", interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (AssertionError, KeyError, TypeError, httpx.HTTPError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout} s (last: {last!r})")
+# The shared wait_for, also retrying while the cluster's answers are still incomplete (a missing
+# status field, an API or pod request that failed), polling every 0.1 s.
+wait_for = partial(net.wait_for, interval=0.1, retry_on=(AssertionError, KeyError, TypeError, httpx.HTTPError))
 
 
 class OperatorProcess:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from mnn_rollout.local.traffic import Traffic
 from tests.operator.cluster import Cluster, wait_for
 from tests.operator.test_e2e_rollout import canary, phase, start_stable
-from tests.operator.traffic import Traffic
 
 pytestmark = pytest.mark.timeout(300)
 BIN = str(Path(sys.executable).parent)
@@ -29,7 +29,7 @@ def plugin(cluster: Cluster, *args: str, check: bool = True, timeout: float = 60
 
 def test_the_kubectl_plugin_steers_a_rollout_and_reports_it(cluster: Cluster) -> None:
     start_stable(cluster)
-    with Traffic(cluster.pods):
+    with Traffic(cluster.pods, users=500, rate=120, connections=2):
         cluster.apply(canary(cluster, steps=[{"weight": 10}, {"weight": 40}, {"weight": 70}]))
         wait_for(lambda: phase(cluster) == "Paused" and cluster.status()["canaryWeight"] == 10, 60, "step 1 waits")
         tree = plugin(cluster, "status", "scorer").stdout

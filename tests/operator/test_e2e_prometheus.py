@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from mnn_rollout.local.traffic import Traffic
 from tests.operator.cluster import Cluster, wait_for
 from tests.operator.test_e2e_rollout import canary
-from tests.operator.traffic import Traffic
 from tests.promstack import Alertmanager, Prometheus, alertmanager_factory, prometheus_factory  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,7 +63,7 @@ def test_a_firing_alert_rolls_the_canary_back_at_once(cluster: Cluster, tmp_path
     obj = canary(cluster, "v2-breaking", steps=[{"weight": 30, "pause": "1h"}])
     # The analysis would need 1,000 failed checks: only the alert can roll this canary back.
     obj["spec"]["strategy"]["analysis"] = prometheus_analysis(prom, failure_limit=1000)
-    with Traffic(cluster.pods, rate=80) as traffic:
+    with Traffic(cluster.pods, users=500, rate=160, connections=2) as traffic:
         cluster.apply(obj)
         wait_for(lambda: cluster.status().get("canaryWeight") == 30, 60, "canary at 30%")
         started = time.monotonic()
@@ -71,7 +71,7 @@ def test_a_firing_alert_rolls_the_canary_back_at_once(cluster: Cluster, tmp_path
         print(f"canary at 30% -> rolled back by Alertmanager in {time.monotonic() - started:.1f} s")
         back = time.monotonic()
         time.sleep(2)
-        after = traffic.since(back + 0.5)
+        after = traffic.counts(back + 0.5)
     st = cluster.status()
     assert st["abortReason"].startswith("AlertFiring: alert CanaryErrorRate"), st["abortReason"]
     assert st["weights"] == {"v1": 100, "v2-breaking": 0}
@@ -88,7 +88,7 @@ def test_prometheus_going_away_holds_the_rollout_and_it_continues_when_back(
     prom.wait_for_up(60)
     obj = canary(cluster, "v2", steps=[{"weight": 20, "pause": "3s"}, {"weight": 50, "pause": "3s"}])
     obj["spec"]["strategy"]["analysis"] = prometheus_analysis(prom, failure_limit=2)
-    with Traffic(cluster.pods, rate=80):
+    with Traffic(cluster.pods, users=500, rate=160, connections=2):
         cluster.apply(obj)
         wait_for(lambda: cluster.status().get("canaryWeight") == 20, 60, "canary at 20%")
         prom.stop()

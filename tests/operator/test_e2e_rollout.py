@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from mnn_rollout.local.traffic import Traffic
 from tests.operator.cluster import Cluster, wait_for
-from tests.operator.traffic import Traffic
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +46,7 @@ def phase(cluster: Cluster) -> str:
 
 def test_a_healthy_canary_is_promoted_through_every_step(cluster: Cluster) -> None:
     start_stable(cluster)
-    with Traffic(cluster.pods) as traffic:
+    with Traffic(cluster.pods, users=500, rate=120, connections=2) as traffic:
         cluster.apply(canary(cluster))
         seen_weights = set()
 
@@ -58,7 +58,7 @@ def test_a_healthy_canary_is_promoted_through_every_step(cluster: Cluster) -> No
         wait_for(done, 150, "phase Succeeded", interval=0.2)
         after = time.monotonic()
         time.sleep(1.5)
-        recent = traffic.since(after)
+        recent = traffic.counts(after)
     st = cluster.status()
     assert st["stableVersion"] == "v2" and st["weights"] == {"v2": 100}
     assert st["retiredVersions"] == ["v1"]
@@ -76,12 +76,12 @@ def test_a_healthy_canary_is_promoted_through_every_step(cluster: Cluster) -> No
 
 def test_a_breaking_canary_is_rolled_back_and_users_stay_on_v1(cluster: Cluster) -> None:
     start_stable(cluster)
-    with Traffic(cluster.pods) as traffic:
+    with Traffic(cluster.pods, users=500, rate=120, connections=2) as traffic:
         cluster.apply(canary(cluster, "v2-breaking"))
         wait_for(lambda: phase(cluster) == "RolledBack", 90, "phase RolledBack", interval=0.2)
         rolled_back = time.monotonic()
         time.sleep(2)
-        after = traffic.since(rolled_back + 0.5)
+        after = traffic.counts(rolled_back + 0.5)
     st = cluster.status()
     assert st["weights"] == {"v1": 100, "v2-breaking": 0} and st["canaryWeight"] == 0
     assert st["abortReason"].startswith("AnalysisFailed")
@@ -95,7 +95,7 @@ def test_a_breaking_canary_is_rolled_back_and_users_stay_on_v1(cluster: Cluster)
 
 def test_a_slow_canary_is_rolled_back_on_latency(cluster: Cluster) -> None:
     start_stable(cluster)
-    with Traffic(cluster.pods):
+    with Traffic(cluster.pods, users=500, rate=120, connections=2):
         cluster.apply(canary(cluster, "v2-slow", metrics=[{"name": "error-rate", "max": 0.05},
                                                           {"name": "latency-p50", "maxLatencyRatio": 3}]))
         wait_for(lambda: phase(cluster) == "RolledBack", 90, "phase RolledBack", interval=0.2)
@@ -123,7 +123,7 @@ def test_too_little_traffic_holds_the_step_until_the_progress_deadline(cluster: 
 
 def test_an_operator_restarted_mid_rollout_resumes_at_the_same_step(cluster: Cluster) -> None:
     start_stable(cluster)
-    with Traffic(cluster.pods):
+    with Traffic(cluster.pods, users=500, rate=120, connections=2):
         cluster.apply(canary(cluster, steps=[{"weight": 30}, {"weight": 60, "pause": "1s"}]))
         wait_for(lambda: phase(cluster) == "Paused" and cluster.status()["canaryWeight"] == 30, 60,
                  "waiting for promote at step 1")
@@ -144,7 +144,7 @@ def annotate(cluster: Cluster, action: str) -> None:
 
 def test_manual_promote_abort_retry_pause_and_resume(cluster: Cluster) -> None:
     start_stable(cluster)
-    with Traffic(cluster.pods):
+    with Traffic(cluster.pods, users=500, rate=120, connections=2):
         cluster.apply(canary(cluster, steps=[{"weight": 10}, {"weight": 40}, {"weight": 70}]))
         wait_for(lambda: phase(cluster) == "Paused" and cluster.status()["canaryWeight"] == 10, 60, "step 1 waits")
         annotate(cluster, "promote")

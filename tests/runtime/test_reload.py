@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import yaml
 
 from mnn_rollout.contract.routing import RoutingTable
+from mnn_rollout.local.net import wait_for, write_atomic
+from mnn_rollout.local.traffic import Traffic
 from tests.runtime_server import RuntimeServer
 
 INFER = "/v2/models/scorer/infer"
@@ -20,9 +19,7 @@ KEYS = [f"user-{i}" for i in range(300)]
 
 
 def write(path: Path, config: dict[str, object]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config))
-    tmp.replace(path)  # atomic, like a ConfigMap symlink swap
+    write_atomic(path, yaml.safe_dump(config))  # like a ConfigMap symlink swap
 
 
 def routes(client: httpx.Client, keys: list[str] = KEYS) -> dict[str, str]:
@@ -34,54 +31,27 @@ def expected(weights: dict[str, int], keys: list[str] = KEYS) -> dict[str, str]:
     return {k: table.route(k) for k in keys}
 
 
-def wait_for(check: Callable[[], bool], timeout: float) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if check():
-            return time.monotonic() - started
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
-
-
-class Load:
-    """Steady background traffic that records every status code."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.codes: Counter[int] = Counter()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=10) as c:
-            i = 0
-            deadline = time.monotonic() + 60
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                r = c.post(INFER, json=BODY, headers={"X-User-Id": f"load-{i % 500}"})
-                self.codes[r.status_code] += 1
-                i += 1
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=15)
+def load(url: str) -> Traffic:
+    """Steady background traffic, unpaced on one keep-alive connection, every status counted."""
+    return Traffic(url, keys=[f"load-{i}" for i in range(500)], rate=None, connections=1, max_seconds=60)
 
 
 def test_new_weights_apply_within_seconds_without_dropping_a_request(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
     server: RuntimeServer = start_server(model_dir / "runtime.yaml")
-    with httpx.Client(base_url=server.url, timeout=10) as client, Load(server.url) as load:
+    with httpx.Client(base_url=server.url, timeout=10) as client, load(server.url) as traffic:
         assert routes(client) == expected({"v1": 90, "v2": 10})
         for weights in ({"v1": 70, "v2": 30}, {"v1": 0, "v2": 100}, {"v1": 100, "v2": 0}):
             write(model_dir / "runtime.yaml", {**config, "weights": weights})
-            took = wait_for(lambda w=weights: routes(client, KEYS[:50]) == expected(w, KEYS[:50]), timeout=10)
+            started = time.monotonic()
+            wait_for(lambda w=weights: routes(client, KEYS[:50]) == expected(w, KEYS[:50]), 10, f"weights {weights}",
+                     interval=0.02)
+            took = time.monotonic() - started
             assert routes(client) == expected(weights)
             print(f"weights {weights} applied in {took:.2f} s")
-    assert set(load.codes) == {200}, load.codes
-    assert load.codes[200] > 50
+    codes = traffic.statuses()
+    assert set(codes) == {200}, codes
+    assert codes[200] > 50
 
 
 def test_an_invalid_config_is_refused_and_the_old_routing_kept(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
@@ -105,7 +75,7 @@ def test_an_invalid_config_is_refused_and_the_old_routing_kept(model_dir: Path, 
 def test_a_version_added_live_is_loaded_before_it_takes_traffic(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
     server: RuntimeServer = start_server(model_dir / "runtime.yaml")
-    with httpx.Client(base_url=server.url, timeout=10) as client, Load(server.url) as load:
+    with httpx.Client(base_url=server.url, timeout=10) as client, load(server.url) as traffic:
         new = {**config, "versions": config["versions"] + [{"name": "v3", "uri": "v2-slow.mnn"}],
                "weights": {"v1": 50, "v2": 0, "v3": 50}}
         write(model_dir / "runtime.yaml", new)
@@ -113,7 +83,7 @@ def test_a_version_added_live_is_loaded_before_it_takes_traffic(model_dir: Path,
         table = RoutingTable.build("scorer", ["v1", "v2", "v3"], new["weights"], "v1")
         want = {k: table.route(k) for k in KEYS}
         wait_for(lambda: routes(client) == want, timeout=10)
-    assert set(load.codes) == {200}, load.codes
+    assert set(traffic.statuses()) == {200}, traffic.statuses()
 
 
 def test_a_bad_file_for_a_serving_version_never_replaces_the_good_one(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]

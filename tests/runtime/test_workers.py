@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,6 +15,8 @@ import pytest
 import yaml
 
 from mnn_rollout.contract.routing import RoutingTable
+from mnn_rollout.local.net import write_atomic
+from mnn_rollout.local.traffic import Traffic
 from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
@@ -95,9 +96,7 @@ def test_new_weights_reach_every_worker(server: RuntimeServer, model_dir: Path) 
                     result="applied")
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
     config["weights"] = {"v1": 40, "v2": 60}
-    tmp = model_dir / "runtime.tmp"
-    tmp.write_text(yaml.safe_dump(config))
-    tmp.replace(model_dir / "runtime.yaml")
+    _write(model_dir, config)
     table = RoutingTable.build("scorer", ["v1", "v2"], {"v1": 40, "v2": 60}, "v1")
     keys = [f"user-{i}" for i in range(100)]
 
@@ -117,19 +116,9 @@ def test_new_weights_reach_every_worker(server: RuntimeServer, model_dir: Path) 
 def test_a_killed_worker_is_replaced_and_counters_never_go_back(server: RuntimeServer) -> None:
     assert server.proc is not None
     before = children(server.proc.pid)
-    codes: Counter[int] = Counter()
-    stop = threading.Event()
-
-    def load() -> None:
-        deadline = time.monotonic() + 30
-        while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                codes[httpx.post(server.url + INFER, json=BODY, timeout=5).status_code] += 1
-            except httpx.HTTPError:
-                codes[0] += 1
-
-    thread = threading.Thread(target=load)
-    thread.start()
+    # a new connection per request, as the supervisor deals them out: some go to the victim
+    traffic = Traffic(server.url, users=0, rate=None, connections=1, max_seconds=30, keep_alive=False,
+                      timeout=5).start()
     time.sleep(0.5)
     total_before = value(httpx.get(server.url + "/metrics").text, "mnn_inference_requests_total", model="scorer",
                          version="v1", outcome="success")
@@ -139,8 +128,8 @@ def test_a_killed_worker_is_replaced_and_counters_never_go_back(server: RuntimeS
         assert time.monotonic() < deadline, "no replacement worker"
         time.sleep(0.1)
     time.sleep(1)
-    stop.set()
-    thread.join()
+    traffic.stop()
+    codes = traffic.statuses()
     total_after = value(httpx.get(server.url + "/metrics").text, "mnn_inference_requests_total", model="scorer",
                         version="v1", outcome="success")
     assert total_after >= total_before
@@ -159,43 +148,12 @@ def test_sigterm_stops_every_worker_and_exits_zero(server: RuntimeServer) -> Non
 
 
 def _write(model_dir: Path, config: dict[str, object]) -> None:
-    tmp = model_dir / "runtime.tmp"
-    tmp.write_text(yaml.safe_dump(config))
-    tmp.replace(model_dir / "runtime.yaml")
+    write_atomic(model_dir / "runtime.yaml", yaml.safe_dump(config))
 
 
-class Load:
-    """Keyed requests on 4 keep-alive connections until stopped; every answer and error counted."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.codes: Counter[object] = Counter()
-        self.versions: Counter[str] = Counter()
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(4)]
-
-    def _run(self, n: int) -> None:
-        deadline = time.monotonic() + 60
-        with httpx.Client(base_url=self.url, timeout=10) as c:
-            i = n
-            while not self.stop.is_set() and time.monotonic() < deadline:
-                try:
-                    r = c.post(INFER, json=BODY, headers={"X-User-Id": f"user-{i % 200}"})
-                    self.codes[r.status_code] += 1
-                    self.versions[r.headers.get("x-model-version", "")] += 1
-                except httpx.HTTPError as exc:
-                    self.codes[type(exc).__name__] += 1
-                i += 4
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
+def load(url: str) -> Traffic:
+    """Keyed requests, unpaced, on 4 keep-alive connections until stopped; every answer and error counted."""
+    return Traffic(url, users=200, rate=None, connections=4, max_seconds=60)
 
 
 def _status(url: str) -> dict[str, object]:
@@ -215,7 +173,7 @@ def test_a_version_added_while_serving_is_loaded_once_and_workers_are_replaced(
         before = set(children(srv.proc.pid))
         metrics_before = value(httpx.get(srv.url + "/metrics").text, "mnn_inference_requests_total",
                                model="scorer", version="v1", outcome="success")
-        with Load(srv.url) as load:
+        with load(srv.url) as traffic:
             time.sleep(0.5)
             config["versions"].append(v2)
             config["weights"] = {"v1": 80, "v2": 20}  # weighted at once: old workers route its keys to v1
@@ -225,8 +183,9 @@ def test_a_version_added_while_serving_is_loaded_once_and_workers_are_replaced(
                 assert time.monotonic() < deadline, f"workers not replaced: {before} -> {now}\n{srv.log()}"
                 time.sleep(0.1)
             time.sleep(1.0)
-        assert set(load.codes) == {200}, load.codes  # not one request failed during the change
-        assert load.versions["v2"] > 0
+        codes, versions = traffic.statuses(), traffic.versions()
+        assert set(codes) == {200}, codes  # not one request failed during the change
+        assert versions["v2"] > 0
         for _ in range(6):  # fresh connections reach either new worker: each has v2 ready
             status = _status(srv.url)
             assert status["versions"]["v2"]["ready"] is True  # type: ignore[index]
@@ -235,7 +194,7 @@ def test_a_version_added_while_serving_is_loaded_once_and_workers_are_replaced(
         assert "workers replaced" in log
         metrics_after = value(httpx.get(srv.url + "/metrics").text, "mnn_inference_requests_total",
                               model="scorer", version="v1", outcome="success")
-        assert metrics_after >= metrics_before + load.versions["v1"]  # retired workers' counts are kept
+        assert metrics_after >= metrics_before + versions["v1"]  # retired workers' counts are kept
     finally:
         srv.stop()
 
@@ -355,7 +314,7 @@ def test_workers_do_not_outlive_a_killed_supervisor(server: RuntimeServer) -> No
 def test_a_version_removed_while_serving_fails_no_request(server: RuntimeServer, model_dir: Path) -> None:
     """v2 (weight 10) leaves the config under load: its keys move to v1 in every worker, nothing fails."""
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
-    with Load(server.url) as load:
+    with load(server.url) as traffic:
         time.sleep(0.5)
         config["versions"] = config["versions"][:1]
         config["weights"] = {"v1": 100}
@@ -364,7 +323,8 @@ def test_a_version_removed_while_serving_fails_no_request(server: RuntimeServer,
         while any("v2" in _status(server.url)["versions"] for _ in range(4)):  # type: ignore[operator]
             assert time.monotonic() < deadline, "v2 still listed"
             time.sleep(0.1)
-        before = load.versions["v1"]
+        before = traffic.versions()["v1"]
         time.sleep(1.0)
-    assert set(load.codes) == {200}, load.codes
-    assert load.versions["v2"] > 0 and load.versions["v1"] > before  # v2 served, then its keys went to v1
+    assert set(traffic.statuses()) == {200}, traffic.statuses()
+    versions = traffic.versions()
+    assert versions["v2"] > 0 and versions["v1"] > before  # v2 served, then its keys went to v1

@@ -34,11 +34,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class WaitTimeout(AssertionError):
+    """``wait_for``'s condition was not met in time (an AssertionError, as a test's failed check)."""
+
+
 def wait_for(check: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05,
              retry_on: tuple[type[BaseException], ...] = (AssertionError,)) -> T:
     """Call ``check`` until it returns something truthy, and return that; raise AssertionError
-    naming ``what`` and the last value (or exception) after ``timeout`` seconds. Exceptions of the
-    ``retry_on`` types count as "not yet"."""
+    (:class:`WaitTimeout`) naming ``what`` and the last value (or exception) after ``timeout``
+    seconds. Exceptions of the ``retry_on`` types count as "not yet"; any other is raised at once."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
@@ -50,7 +54,7 @@ def wait_for(check: Callable[[], T], timeout: float, what: str = "condition", in
             if last:
                 return last
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} not met within {timeout:g} s (last: {last!r})")
+            raise WaitTimeout(f"{what} not met within {timeout:g} s (last: {last!r})")
         time.sleep(interval)
 
 

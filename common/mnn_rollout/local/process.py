@@ -20,7 +20,7 @@ class LocalRuntime:
 
     def __init__(self, config: Path, log_path: Path, host: str = "127.0.0.1", port: int | None = None,
                  extra_args: list[str] | None = None, ready_path: str = "/v2/health/ready",
-                 log_level: str = "warning", stop_timeout: float = 20.0) -> None:
+                 log_level: str = "warning", stop_timeout: float = 20.0, log_in_errors: bool = False) -> None:
         self.config, self.log_path, self.host = config, log_path, require_loopback(host)
         self.port = port or free_port(host)
         self.extra_args = list(extra_args or [])
@@ -28,6 +28,7 @@ class LocalRuntime:
             # one process unless asked: the demo and the tests run several runtimes on one machine
             self.extra_args += ["--workers", "1"]
         self.ready_path, self.log_level, self.stop_timeout = ready_path, log_level, stop_timeout
+        self.log_in_errors = log_in_errors  # a start error carries the whole log, not only its path
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -35,6 +36,14 @@ class LocalRuntime:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60) -> None:
+        try:
+            self._start(timeout)
+        except RuntimeError as exc:
+            if not self.log_in_errors:
+                raise
+            raise RuntimeError(f"{exc}:\n{self.log()}") from None
+
+    def _start(self, timeout: float) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mnn_rollout.cli", "serve", "--config", str(self.config), "--host",
@@ -53,6 +62,12 @@ class LocalRuntime:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"the runtime was not ready within {timeout:g} s; see {self.log_path}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> int | None:
         if self.proc is None:
