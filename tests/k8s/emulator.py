@@ -17,16 +17,40 @@ Replaced, because they could not be fixed by small overrides:
 * watches (``watch.py``) - kmock's stream ignores resourceVersion/timeoutSeconds, loses events
   between a list and a watch and uses a content type kubectl rejects;
 * Table printing (``tables.py``), selectors (``selectors.py``), patches (``patching.py``),
+  server-side apply and ``metadata.managedFields`` (``store.py``, ``patching.py``),
   CRD schemas (``schema.py``: pruning, defaulting, validation), protobuf bodies of a few core kinds
   (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
+
+Server-side apply: ``PATCH`` with ``application/apply-patch+yaml`` (a YAML or JSON body) and the
+required ``fieldManager``; ``force=true``; on the object and its ``/status``; creates the object when
+absent (201). Every write records ``metadata.managedFields``: an Apply entry per applying manager
+(exactly the fields it applied), an Update entry per other writer (the fields its POST/PUT/PATCH
+set or changed; the manager is ``fieldManager`` or the User-Agent's first word). A field another
+manager owns with a different value is a 409 Conflict naming the field and the manager, unless
+``force`` (the applier takes it over); a field the applier applied before and no longer does is
+removed unless another manager owns it too. Simplified, compared with a real API server:
+
+* list semantics: maps are walked, lists are atomic except the keyed lists of the built-in kinds
+  that patching.MERGE_KEYS names (containers by name, ports by port number alone, env, volumes,
+  conditions, ...) and the set ``metadata.finalizers``; a custom resource's lists are atomic except
+  ownerReferences/finalizers (x-kubernetes-list-type/-map-keys of the CRD are not read);
+* ownership comes from the applied configuration as sent: defaulted fields are not owned, pruned
+  ones are dropped from the set; ``null`` values in an applied configuration are ignored;
+* conflicts are found only between equal paths (not between a leaf and fields under it);
+  managedFields sent by a client replace the stored ones only on updates (as kubectl's
+  client-side-to-server-side upgrade does), never on create; no ``application/apply-patch+cbor``,
+  no apply on ``/scale``; a resourceVersion in an applied configuration is a precondition only
+  when the object exists.
 
 Test controls (not part of the Kubernetes API, never logged): ``GET /_emulator/healthz``;
 ``GET``/``DELETE /_emulator/requests`` (the request log: method, path, query, contentType, action,
 group, version, resource, namespace, name, subresource, userAgent); ``POST /_emulator/compact``
 (forget the watch history: older resourceVersions get 410); ``POST /_emulator/faults`` with
-``{"method": "PATCH", "path": "regex", "code": 500, "reason": "...", "message": "...", "times": 1}``
-(the next ``times`` matching API requests fail with that Status; -1 = forever) and
-``DELETE /_emulator/faults``.
+``{"method": "PATCH", "path": "regex", "code": 500, "reason": "...", "message": "...", "times": 1,
+"retryAfter": 2, "after": false}`` (the next ``times`` matching API requests fail with that Status;
+-1 = forever; ``retryAfter``: a Retry-After header and details.retryAfterSeconds; ``after``: the
+request is carried out first, then answered with the fault - a write whose success is lost; not for
+watches) and ``DELETE /_emulator/faults``.
 """
 import argparse
 import asyncio
@@ -44,7 +68,7 @@ import kmock
 import yaml
 from kmock._internal import apps, enums, rendering
 
-from . import cel, protobuf, scale, tables, watch
+from . import cel, patching, protobuf, scale, tables, watch
 from .errors import ApiError
 from .resources import Registry, ResourceDef
 from .selectors import parse_field_selector, parse_label_selector
@@ -122,7 +146,9 @@ class Emulator(kmock.KubernetesEmulator):
                 self._requests.append(request)
             return await self._handle(request)
         except ApiError as e:
-            return json_response(e.status(), e.code)
+            response = json_response(e.status(), e.code)
+            response.headers.update(getattr(e, 'headers', None) or {})
+            return response
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             if self._errors:
@@ -180,7 +206,14 @@ class Emulator(kmock.KubernetesEmulator):
             raise ApiError(406, 'NotAcceptable', f'only application/json is served, not {accept!r}')
         if path.startswith('/_emulator/'):
             return self._serve_control(path, method, request.data)
-        self._inject_faults(method, path)
+        after = self._inject_faults(method, path)
+        if after is not None:  # the request is carried out, then answered with the fault
+            await self._serve_api(request, raw, path, method)
+            raise after
+        return await self._serve_api(request, raw, path, method)
+
+    async def _serve_api(self, request: rendering.Request, raw: aiohttp.web.BaseRequest, path: str,
+                         method: str) -> aiohttp.web.StreamResponse:
         if method == 'GET':
             if path in ('/healthz', '/livez', '/readyz'):
                 return aiohttp.web.Response(text='ok')
@@ -229,7 +262,8 @@ class Emulator(kmock.KubernetesEmulator):
             if method == 'POST':
                 if rd.namespaced and not namespace:
                     raise ApiError.method_not_allowed()
-                return json_response(self.store.create(rd, namespace, request.data, dry_run), 201)
+                return json_response(self.store.create(rd, namespace, request.data, dry_run,
+                                                       manager=_field_manager(request)), 201)
             if method == 'DELETE':
                 deleted = []
                 for obj in self.store.list(rd, namespace, self._matcher(rd, q)):
@@ -259,10 +293,22 @@ class Emulator(kmock.KubernetesEmulator):
                                                   q.get('includeObject', 'Metadata')))
             return json_response(obj)
         if method == 'PUT':
-            return json_response(self.store.update(rd, namespace, name, request.data, sub, dry_run))
+            return json_response(self.store.update(rd, namespace, name, request.data, sub, dry_run,
+                                                   manager=_field_manager(request)))
         if method == 'PATCH':
             ctype = raw.headers.get('Content-Type', '')
-            return json_response(self.store.patch(rd, namespace, name, ctype, request.data, sub, dry_run))
+            force = q.get('force')
+            if ctype.split(';')[0].strip().lower() == patching.APPLY:
+                if force not in (None, 'true', 'false'):
+                    raise ApiError.bad_request(f'invalid value for force: {force!r}')
+                code, obj = self.store.apply(rd, namespace, name, request.data, q.get('fieldManager', ''),
+                                             force == 'true', sub, dry_run)
+                return json_response(obj, code)
+            if force is not None:
+                raise ApiError.invalid('PatchOptions.meta.k8s.io', '', [
+                    ('force', 'Forbidden: may not be specified for non-apply patch')])
+            return json_response(self.store.patch(rd, namespace, name, ctype, request.data, sub, dry_run,
+                                                  manager=_field_manager(request)))
         if method == 'DELETE' and not sub:
             code, obj = self.store.delete(rd, namespace, name, self._delete_options(request), dry_run)
             if code == 200 and not rd.custom:
@@ -311,11 +357,19 @@ class Emulator(kmock.KubernetesEmulator):
             items = [{k: v for k, v in o.items() if k not in ('apiVersion', 'kind')} for o in items]
         return {'kind': rd.list_kind, 'apiVersion': rd.api_version, 'metadata': meta, 'items': items}
 
-    def _inject_faults(self, method: str, path: str) -> None:
+    def _inject_faults(self, method: str, path: str) -> ApiError | None:
+        """Raise the first matching fault, or return it when it fires after the request is served."""
         for fault in self.faults:
             if fault['method'] in ('*', method) and re.search(fault['path'], path) and fault['times'] != 0:
                 fault['times'] -= 1
-                raise ApiError(fault['code'], fault['reason'], fault['message'])
+                error = ApiError(fault['code'], fault['reason'], fault['message'])
+                if fault.get('retryAfter') is not None:
+                    error.details = {'retryAfterSeconds': fault['retryAfter']}
+                    error.headers = {'Retry-After': str(fault['retryAfter'])}
+                if fault.get('after'):
+                    return error
+                raise error
+        return None
 
     def _serve_control(self, path: str, method: str, data: Any) -> aiohttp.web.Response:
         if path == '/_emulator/faults' and method == 'POST':
@@ -323,7 +377,8 @@ class Emulator(kmock.KubernetesEmulator):
                 raise ApiError.bad_request('a fault needs at least {"code": 500}')
             fault = {'method': str(data.get('method', '*')).upper(), 'path': data.get('path', ''),
                      'code': data['code'], 'reason': data.get('reason', 'InternalError'),
-                     'message': data.get('message', 'injected by the emulator'), 'times': data.get('times', 1)}
+                     'message': data.get('message', 'injected by the emulator'), 'times': data.get('times', 1),
+                     'retryAfter': data.get('retryAfter'), 'after': bool(data.get('after', False))}
             self.faults.append(fault)  # times: how many matching requests fail; -1 = all of them
             return json_response(fault, 201)
         if path == '/_emulator/faults' and method == 'DELETE':
@@ -342,6 +397,13 @@ class Emulator(kmock.KubernetesEmulator):
             self.store.compact()
             return json_response({'compactedResourceVersion': str(self.store.compacted_rv)})
         raise ApiError(404, 'NotFound', f'no such emulator control endpoint: {method} {path}')
+
+
+def _field_manager(request: rendering.Request) -> str:
+    """The fieldManager query parameter, else the User-Agent's first word (``kubectl/v1.32 ...`` ->
+    ``kubectl``), like a real API server."""
+    agent = request.headers.get('User-Agent', '')
+    return request.params.get('fieldManager') or agent.split('/')[0].strip()[:128] or 'unknown'
 
 
 def _describe(request: rendering.Request) -> dict[str, Any]:

@@ -9,8 +9,12 @@ by item, ``metadata.finalizers`` is merged as a set, and the directives ``$patch
 (``delete``/``replace``/``merge``), ``$retainKeys``, ``$setElementOrder/<field>`` and
 ``$deleteFromPrimitiveList/<field>`` are honoured (ordering directives are only stripped).
 Custom resources reject it with 415, exactly like a real API server.
+
+Server-side apply's building blocks live here too (field sets in the ``managedFields.fieldsV1``
+form, the apply merge, removing a field); ``store.Store.apply`` uses them.
 """
 import copy
+import json
 from typing import Any
 
 import jsonpatch
@@ -124,10 +128,11 @@ def json_patch(target: Any, ops: Any) -> Any:
 
 def check_content_type(content_type: str, *, custom: bool) -> str:
     ctype = content_type.split(';')[0].strip().lower()
-    if ctype in (APPLY, APPLY_CBOR):
+    if ctype == APPLY_CBOR:
         raise ApiError(415, 'UnsupportedMediaType',
-                       'server-side apply (application/apply-patch+yaml) is not supported by this emulator;'
-                       ' use client-side kubectl apply, merge or JSON patches')
+                       f'{APPLY_CBOR} is not supported by this emulator; send server-side apply as {APPLY}')
+    if ctype == APPLY:
+        return ctype  # Store.apply
     if ctype == STRATEGIC and custom:
         raise ApiError(415, 'UnsupportedMediaType',
                        f'the body of the request was in an unknown format - accepted media types include: '
@@ -141,6 +146,9 @@ def check_content_type(content_type: str, *, custom: bool) -> str:
 
 def apply_patch(content_type: str, target: dict[str, Any], patch: Any, *, custom: bool) -> dict[str, Any]:
     ctype = check_content_type(content_type, custom=custom)
+    if ctype == APPLY:
+        raise ApiError(415, 'UnsupportedMediaType', 'server-side apply is not supported on this subresource by'
+                                                    ' the emulator')
     if ctype == JSON_PATCH:
         result = json_patch(target, patch)
     elif not isinstance(patch, dict):
@@ -152,3 +160,192 @@ def apply_patch(content_type: str, target: dict[str, Any], patch: Any, *, custom
     if not isinstance(result, dict):
         raise ApiError(422, 'Invalid', 'the patch turned the object into a non-object')
     return result
+
+
+# --- server-side apply: field sets (managedFields.fieldsV1) ----------------------------------------
+#
+# A field set is a dict {path: value}: a path is a tuple of fieldsV1 keys ('f:spec', 'f:replicas'),
+# ('f:spec', 'f:containers', 'k:{"name":"app"}', '.') for a keyed list item itself, ('f:metadata',
+# 'f:finalizers', 'v:"x"') for a member of a set list; the value is the leaf's value (None for '.').
+# Maps are walked into (an empty map is a leaf), lists are atomic (one leaf) except the keyed lists
+# of MERGE_KEYS and the sets of SET_LISTS - of built-in kinds; a custom resource's lists are atomic
+# but for metadata.ownerReferences and metadata.finalizers (the CRD's x-kubernetes-list-type is not read).
+
+Path = tuple[str, ...]
+ITEM = '.'
+# Never owned: identity and server-set metadata (structured-merge-diff strips them too).
+UNOWNED_META = ('name', 'namespace', 'uid', 'resourceVersion', 'generation', 'creationTimestamp',
+                'deletionTimestamp', 'deletionGracePeriodSeconds', 'managedFields', 'selfLink', 'generateName')
+
+
+def _j(value: Any) -> str:
+    return json.dumps(value, separators=(',', ':'), sort_keys=True)
+
+
+def _list_keys(field: str, items: list[Any], custom: bool) -> list[str] | str | None:
+    """'v' for a set list, the key fields of a keyed list, None for an atomic list."""
+    if field in SET_LISTS and all(not isinstance(i, (dict, list)) for i in items):
+        return 'v'
+    if custom and field != 'ownerReferences':
+        return None
+    key = MERGE_KEYS.get(field)
+    if field == 'ports' and items and all(isinstance(i, dict) for i in items):
+        key = 'containerPort' if any('containerPort' in i for i in items) else 'port'
+    if not key or not all(isinstance(i, dict) and key in i for i in items):
+        return None
+    return [key]
+
+
+def _item_key(item: dict[str, Any], keys: list[str]) -> str:
+    return 'k:' + _j({k: item[k] for k in keys})
+
+
+def field_set(obj: dict[str, Any], custom: bool) -> dict[Path, Any]:
+    out: dict[Path, Any] = {}
+    _walk(obj, (), out, custom)
+    return out
+
+
+def _walk(value: dict[str, Any], prefix: Path, out: dict[Path, Any], custom: bool) -> None:
+    for name, v in value.items():
+        path = prefix + (f'f:{name}',)
+        if v is None:  # null: absent
+            continue
+        if isinstance(v, dict) and v:
+            _walk(v, path, out, custom)
+            continue
+        keys = _list_keys(name, v, custom) if isinstance(v, list) and v else None
+        if keys == 'v':
+            for item in v:
+                out[path + ('v:' + _j(item),)] = item
+        elif keys:
+            for item in v:
+                kp = path + (_item_key(item, list(keys)),)
+                out[kp + (ITEM,)] = None
+                _walk(item, kp, out, custom)
+        else:
+            out[path] = copy.deepcopy(v)
+
+
+def ownable(obj: dict[str, Any], scope: str) -> dict[str, Any]:
+    """The part of an object whose fields managers own: ``scope`` 'all', 'main' (a resource with a
+    status subresource: everything but status) or 'status' (only status)."""
+    if scope == 'status':
+        return {'status': copy.deepcopy(obj['status'])} if isinstance(obj.get('status'), dict) else {}
+    out = {k: copy.deepcopy(v) for k, v in obj.items()
+           if k not in ('apiVersion', 'kind') and not (scope == 'main' and k == 'status')}
+    if isinstance(out.get('metadata'), dict):
+        out['metadata'] = {k: v for k, v in out['metadata'].items() if k not in UNOWNED_META}
+        if not out['metadata']:
+            del out['metadata']
+    return out
+
+
+def to_fields_v1(paths: Any) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path in sorted(paths):
+        node = root
+        for element in path:
+            node = node.setdefault(element, {})
+    return root
+
+
+def from_fields_v1(fields: Any, prefix: Path = ()) -> set[Path]:
+    out: set[Path] = set()
+    if not isinstance(fields, dict):
+        return out
+    for key, child in fields.items():
+        if key == ITEM or not child:
+            out.add(prefix + (key,))
+        else:
+            out |= from_fields_v1(child, prefix + (key,))
+    return out
+
+
+def describe(path: Path) -> str:
+    """A path as the API server prints it in conflicts: .spec.containers[name="app"].image"""
+    text = ''
+    for element in path:
+        kind, _, rest = element.partition(':')
+        if element == ITEM:
+            continue
+        if kind == 'f':
+            text += f'.{rest}'
+        elif kind == 'k':
+            text += '[' + ','.join(f'{k}={json.dumps(v)}' for k, v in json.loads(rest).items()) + ']'
+        elif kind == 'v':
+            text += f'[={rest}]'
+    return text or '.'
+
+
+def apply_merge(live: Any, applied: Any, custom: bool) -> Any:
+    """The live object with the applied configuration merged in: maps recursively, keyed lists item
+    by item, set lists as a union, anything else (atomic lists, scalars) replaced."""
+    if not isinstance(applied, dict) or not isinstance(live, dict):
+        return copy.deepcopy(applied)
+    result = copy.deepcopy(live)
+    for name, value in applied.items():
+        current = result.get(name)
+        if isinstance(value, dict) and isinstance(current, dict):
+            result[name] = apply_merge(current, value, custom)
+        elif isinstance(value, list) and isinstance(current, list) and value:
+            keys = _list_keys(name, value + current, custom)
+            if keys == 'v':
+                result[name] = current + [copy.deepcopy(i) for i in value if i not in current]
+            elif keys:
+                merged = list(current)
+                for item in value:
+                    index = next((n for n, old in enumerate(merged)
+                                  if _item_key(old, list(keys)) == _item_key(item, list(keys))), None)
+                    if index is None:
+                        merged.append(copy.deepcopy(item))
+                    else:
+                        merged[index] = apply_merge(merged[index], item, custom)
+                result[name] = merged
+            else:
+                result[name] = copy.deepcopy(value)
+        else:
+            result[name] = copy.deepcopy(value)
+    return result
+
+
+def remove_path(obj: dict[str, Any], path: Path) -> None:
+    """Remove one owned field (a map key, a keyed list item with ITEM, a set member) if present,
+    and the maps left empty above it."""
+    _remove(obj, path)
+    for n in range(len(path) - 1, 0, -1):
+        parent: Any = obj
+        for element in path[:n - 1]:
+            parent = parent.get(element[2:]) if element.startswith('f:') and isinstance(parent, dict) else None
+        last = path[n - 1]
+        if not (isinstance(parent, dict) and last.startswith('f:') and parent.get(last[2:]) == {}):
+            break
+        del parent[last[2:]]
+
+
+def _remove(obj: dict[str, Any], path: Path) -> None:
+    node: Any = obj
+    for n, element in enumerate(path[:-1]):
+        kind, _, rest = element.partition(':')
+        if element == ITEM:
+            return
+        if kind == 'f' and isinstance(node, dict):
+            node = node.get(rest)
+        elif kind == 'k' and isinstance(node, list):
+            key = json.loads(rest)
+            match = [i for i in node if isinstance(i, dict) and all(i.get(k) == v for k, v in key.items())]
+            if path[n + 1] == ITEM:  # the item itself
+                node[:] = [i for i in node if not any(i is m for m in match)]
+                return
+            node = match[0] if match else None
+        else:
+            return
+        if node is None:
+            return
+    last = path[-1]
+    kind, _, rest = last.partition(':')
+    if kind == 'f' and isinstance(node, dict):
+        node.pop(rest, None)
+    elif kind == 'v' and isinstance(node, list):
+        value = json.loads(rest)
+        node[:] = [i for i in node if i != value]

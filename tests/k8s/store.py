@@ -4,6 +4,8 @@ resourceVersion counter, a bounded event history for resumable watches, finalize
 termination and garbage collection. Every operation is synchronous (no ``await`` inside), so it is
 atomic on the event loop: a watch registered in the same step as a list can never miss an event.
 """
+from __future__ import annotations
+
 import collections
 import copy
 import dataclasses
@@ -20,6 +22,7 @@ from .resources import Registry, ResourceDef
 
 Key = tuple[str, str, str, str]  # (group, plural, namespace or '', name)
 INITIAL_NAMESPACES = ('default', 'kube-system', 'kube-public', 'kube-node-lease')
+DEFAULT_MANAGER = 'emulator'  # the field manager of writes made inside the emulator (GC, namespace controller)
 _META_KEYS = {'name', 'generateName', 'namespace', 'uid', 'resourceVersion', 'generation', 'creationTimestamp',
               'deletionTimestamp', 'deletionGracePeriodSeconds', 'labels', 'annotations', 'ownerReferences',
               'finalizers', 'managedFields', 'selfLink'}
@@ -148,7 +151,10 @@ class Store(Lifecycle):
 
     # --- create ----------------------------------------------------------------------------------
 
-    def create(self, rd: ResourceDef, namespace: str | None, body: Any, dry_run: bool = False) -> dict[str, Any]:
+    def create(self, rd: ResourceDef, namespace: str | None, body: Any, dry_run: bool = False,
+               manager: str = DEFAULT_MANAGER, applied: dict[patching.Path, Any] | None = None) -> dict[str, Any]:
+        """POST; ``manager`` owns every field (an Update), or, for a server-side apply that creates the
+        object, the ``applied`` field set (an Apply)."""
         if not isinstance(body, dict):
             raise ApiError.bad_request('the request body must be a JSON object')
         obj = copy.deepcopy(body)
@@ -185,6 +191,12 @@ class Store(Lifecycle):
             raise ApiError.already_exists(rd.group_resource, meta['name'])
         self._admit(rd, obj, None)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_iso(), generation=1)
+        if applied is not None:
+            managed = self._managed_after_apply(rd, {'metadata': {}}, obj, None, manager, applied, [])
+        else:
+            managed = self._managed_after_update(rd, {'metadata': {}}, obj, None, manager, None)
+        if managed:
+            meta['managedFields'] = managed
         if dry_run:
             return self.render(rd, obj)
         meta['resourceVersion'] = self._next_rv()
@@ -258,7 +270,8 @@ class Store(Lifecycle):
     # --- update / patch --------------------------------------------------------------------------
 
     def update(self, rd: ResourceDef, namespace: str | None, name: str, body: Any,
-               subresource: str | None = None, dry_run: bool = False) -> dict[str, Any]:
+               subresource: str | None = None, dry_run: bool = False,
+               manager: str = DEFAULT_MANAGER) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise ApiError.bad_request('the request body must be a JSON object')
         old = self.find(rd, namespace, name)
@@ -273,10 +286,11 @@ class Store(Lifecycle):
         if rd.custom and not meta.get('resourceVersion'):  # custom resources allow no unconditional PUT
             raise ApiError.invalid(rd.kind_group, name, [('metadata.resourceVersion',
                                                           'Invalid value: 0x0: must be specified for an update')])
-        return self._replace(rd, old, copy.deepcopy(body), subresource, dry_run)
+        return self._replace(rd, old, copy.deepcopy(body), subresource, dry_run, manager)
 
     def patch(self, rd: ResourceDef, namespace: str | None, name: str, content_type: str, patch: Any,
-              subresource: str | None = None, dry_run: bool = False) -> dict[str, Any]:
+              subresource: str | None = None, dry_run: bool = False,
+              manager: str = DEFAULT_MANAGER) -> dict[str, Any]:
         patching.check_content_type(content_type, custom=rd.custom)
         old = self.find(rd, namespace, name)
         patched = patching.apply_patch(content_type, self.render(rd, old), patch, custom=rd.custom)
@@ -286,15 +300,19 @@ class Store(Lifecycle):
         if not meta.get('resourceVersion'):
             meta['resourceVersion'] = old['metadata']['resourceVersion']
         self._check_type(rd, patched)
-        return self._replace(rd, old, patched, subresource, dry_run)
+        return self._replace(rd, old, patched, subresource, dry_run, manager)
 
-    def _replace(self, rd: ResourceDef, old: dict[str, Any], new: dict[str, Any],
-                 subresource: str | None, dry_run: bool) -> dict[str, Any]:
+    def _replace(self, rd: ResourceDef, old: dict[str, Any], new: dict[str, Any], subresource: str | None,
+                 dry_run: bool, manager: str = DEFAULT_MANAGER,
+                 manage: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """Store ``new`` over ``old``. managedFields: ``manage(new)`` (server-side apply), else
+        ``manager`` owns what this write changes (an Update)."""
         old_meta = old['metadata']
         name = old_meta['name']
         new_meta = new.get('metadata')
         if not isinstance(new_meta, dict):
             new_meta = new['metadata'] = {}
+        requested = new_meta.get('managedFields')  # set by the client: taken over (see _managed_after_update)
         if new_meta.get('resourceVersion') and new_meta['resourceVersion'] != old_meta['resourceVersion']:
             raise ApiError.conflict(rd.group_resource, name)
         if new_meta.get('uid') and new_meta['uid'] != old_meta['uid']:
@@ -330,6 +348,10 @@ class Store(Lifecycle):
         self._admit(rd, new, old)
         if self._spec_changed(rd, old, new):
             new['metadata']['generation'] = old_meta.get('generation', 1) + 1
+        managed = manage(new) if manage is not None else \
+            self._managed_after_update(rd, old, new, subresource, manager, requested)
+        if managed:
+            new['metadata']['managedFields'] = managed
         if new == old:
             return self.render(rd, old)  # a no-op write: no new resourceVersion, no watch event
         if dry_run:
@@ -351,3 +373,182 @@ class Store(Lifecycle):
             skip.add('status')
         pick = lambda obj: {k: v for k, v in obj.items() if k not in skip}  # noqa: E731
         return pick(old) != pick(new)
+
+    # --- server-side apply and managedFields -----------------------------------------------------
+
+    @staticmethod
+    def _scope(rd: ResourceDef, subresource: str | None) -> str:
+        if subresource == 'status':
+            return 'status'
+        return 'main' if 'status' in rd.subresources else 'all'
+
+    def apply(self, rd: ResourceDef, namespace: str | None, name: str, body: Any, manager: str,
+              force: bool = False, subresource: str | None = None,
+              dry_run: bool = False) -> tuple[int, dict[str, Any]]:
+        """Server-side apply (PATCH application/apply-patch+yaml): create the object if absent;
+        else merge the applied configuration in, failing with 409 on fields another manager owns
+        with a different value (unless ``force``: then they change owner), and remove the fields
+        this manager applied before and no longer does, unless another manager owns them too.
+        Returns (HTTP status, object)."""
+        if not manager:
+            raise ApiError.invalid('PatchOptions.meta.k8s.io', '', [
+                ('fieldManager', 'Required value: is required for apply patch')])
+        if not isinstance(body, dict):
+            raise ApiError.bad_request('the request body must be a YAML or JSON object')
+        if not body.get('apiVersion') or not body.get('kind'):
+            raise ApiError.bad_request(f'invalid object type: {body.get("apiVersion") or "/"}, '
+                                       f'Kind={body.get("kind") or ""}: apiVersion and kind must be set')
+        self._check_type(rd, body)
+        meta = body.get('metadata')
+        if not isinstance(meta, dict):
+            raise ApiError.bad_request('metadata must be an object')
+        if meta.get('name') and meta['name'] != name:
+            raise ApiError.bad_request(f'the name of the object ({meta["name"]}) does not match the name on the'
+                                       f' URL ({name})')
+        if rd.namespaced and meta.get('namespace') and meta['namespace'] != namespace:
+            raise ApiError.bad_request('the namespace of the provided object does not match the namespace sent'
+                                       ' on the request')
+        applied = _without_nulls(body)
+        scope = self._scope(rd, subresource)
+        if scope == 'main':
+            applied.pop('status', None)  # reset by the main resource, like a real server
+        elif scope == 'status':
+            applied = {'metadata': applied['metadata'],
+                       **({'status': applied['status']} if 'status' in applied else {})}
+        mine = patching.field_set(patching.ownable(applied, scope), rd.custom)
+        old = self.objects.get(self.key(rd, namespace, name))
+        if old is None:
+            if subresource:
+                raise ApiError.not_found(rd.group_resource, name)
+            applied['metadata'] = {**applied['metadata'], 'name': name}
+            applied['metadata'].pop('resourceVersion', None)
+            return 201, self.create(rd, namespace, applied, dry_run, manager=manager, applied=mine)
+        live = self.render(rd, old)
+        live_fields = patching.field_set(patching.ownable(live, scope), rd.custom)
+        entries = _entries(old)
+        ident = (manager, 'Apply', subresource or '')
+        previous = next((paths for entry, paths in entries if _ident(entry) == ident), set())
+        conflicts = []
+        for entry, paths in entries:
+            if _ident(entry) == ident:
+                continue
+            for path in sorted(paths & set(mine)):
+                if path[-1] != patching.ITEM and not path[-1].startswith('v:') and path in live_fields \
+                        and live_fields[path] != mine[path]:
+                    conflicts.append((entry, path))
+        if conflicts and not force:
+            raise _conflict_error(conflicts)
+        for entry, path in conflicts:  # force: the applier takes them over
+            next(paths for e, paths in entries if e is entry).discard(path)
+        others = set().union(*(paths for entry, paths in entries if _ident(entry) != ident))
+        merged = patching.apply_merge(live, applied, rd.custom)
+        stale = previous - set(mine) - others
+        for path in sorted(stale, key=lambda p: (p[-1] != patching.ITEM, -len(p))):  # whole items first
+            if path[-1] == patching.ITEM and any(p[:len(path) - 1] == path[:-1] for p in others):
+                continue  # another manager still owns part of this list item
+            patching.remove_path(merged, path)
+        return 200, self._replace(
+            rd, old, merged, subresource, dry_run,
+            manage=lambda new: self._managed_after_apply(rd, old, new, subresource, manager, mine, entries))
+
+    def _managed_after_apply(self, rd: ResourceDef, old: dict[str, Any], new: dict[str, Any],
+                             subresource: str | None, manager: str, mine: dict[patching.Path, Any],
+                             entries: list[tuple[dict[str, Any], set[patching.Path]]]) -> list[dict[str, Any]]:
+        scope = self._scope(rd, subresource)
+        new_fields = patching.field_set(patching.ownable(new, scope), rd.custom)
+        gone = set(patching.field_set(patching.ownable(old, scope), rd.custom)) - set(new_fields)
+        ident = (manager, 'Apply', subresource or '')
+        out = [(e, paths - gone) for e, paths in entries if _ident(e) != ident]
+        mine_entry = next((e for e, _ in entries if _ident(e) == ident),
+                          _new_entry(rd, manager, 'Apply', subresource))
+        out.append((mine_entry, {p for p in mine if p in new_fields}))  # pruned fields are not owned
+        return _render_entries(rd, out, _entries(old))
+
+    def _managed_after_update(self, rd: ResourceDef, old: dict[str, Any], new: dict[str, Any],
+                              subresource: str | None, manager: str, requested: Any) -> list[dict[str, Any]]:
+        """An Update: ``manager`` takes every field this write set or changed (from whoever owned
+        it); fields the write removed leave every set. managedFields sent by the client replace
+        the stored ones when they differ (a single empty entry clears them), as on a real server."""
+        base = _entries(old)
+        if isinstance(requested, list) and requested and requested != old['metadata'].get('managedFields'):
+            if requested == [{}]:
+                return []
+            base = _entries({'metadata': {'managedFields': requested}})
+        scope = self._scope(rd, subresource)
+        old_fields = patching.field_set(patching.ownable(old, scope), rd.custom)
+        new_fields = patching.field_set(patching.ownable(new, scope), rd.custom)
+        changed = {p for p, v in new_fields.items() if p not in old_fields or old_fields[p] != v}
+        gone = set(old_fields) - set(new_fields)
+        ident = (manager, 'Update', subresource or '')
+        out = [(e, paths - gone - (set() if _ident(e) == ident else changed)) for e, paths in base]
+        if changed and not any(_ident(e) == ident for e, _ in out):
+            out.append((_new_entry(rd, manager, 'Update', subresource), set()))
+        out = [(e, paths | changed) if _ident(e) == ident else (e, paths) for e, paths in out]
+        return _render_entries(rd, out, _entries(old))
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _ident(entry: dict[str, Any]) -> tuple[str, str, str]:
+    return entry.get('manager', ''), entry.get('operation', ''), entry.get('subresource', '')
+
+
+def _entries(obj: dict[str, Any]) -> list[tuple[dict[str, Any], set[patching.Path]]]:
+    """The managedFields entries of a stored object, each with its parsed field set."""
+    out = []
+    for entry in obj.get('metadata', {}).get('managedFields') or []:
+        if isinstance(entry, dict) and entry.get('manager') and entry.get('operation') in ('Apply', 'Update'):
+            out.append((copy.deepcopy(entry), patching.from_fields_v1(entry.get('fieldsV1'))))
+    return out
+
+
+def _new_entry(rd: ResourceDef, manager: str, operation: str, subresource: str | None) -> dict[str, Any]:
+    entry = {'manager': manager, 'operation': operation, 'apiVersion': rd.api_version, 'time': '',
+             'fieldsType': 'FieldsV1', 'fieldsV1': {}}
+    if subresource:
+        entry['subresource'] = subresource
+    return entry
+
+
+def _render_entries(rd: ResourceDef, entries: list[tuple[dict[str, Any], set[patching.Path]]],
+                    before: list[tuple[dict[str, Any], set[patching.Path]]]) -> list[dict[str, Any]]:
+    """managedFields for the entries that still own something; ``time`` moves only for those
+    whose field set changed (so a no-op write stays a no-op)."""
+    previous = {_ident(e): paths for e, paths in before}
+    out = []
+    for entry, paths in entries:
+        if not paths:
+            continue
+        entry = dict(entry, fieldsV1=patching.to_fields_v1(paths), fieldsType='FieldsV1')
+        if previous.get(_ident(entry)) != paths or not entry.get('time'):
+            entry['time'] = now_iso()
+            entry['apiVersion'] = rd.api_version
+        out.append(entry)
+    return out
+
+
+def _conflict_error(conflicts: list[tuple[dict[str, Any], patching.Path]]) -> ApiError:
+    """409 as a real API server words it: Apply failed with 1 conflict: conflict with "m" using v1: .data.a"""
+    by_manager: dict[tuple[str, str], list[str]] = {}
+    for entry, path in conflicts:
+        by_manager.setdefault((entry['manager'], entry.get('apiVersion', '')), []).append(patching.describe(path))
+    parts = []
+    for (manager, version), paths in by_manager.items():
+        using = f' using {version}' if version else ''
+        if len(paths) == 1:
+            parts.append(f'conflict with "{manager}"{using}: {paths[0]}')
+        else:
+            parts.append(f'conflicts with "{manager}"{using}:\n' + '\n'.join(f'- {p}' for p in paths))
+    n = len(conflicts)
+    causes = [{'reason': 'FieldManagerConflict', 'field': patching.describe(path),
+               'message': f'conflict with "{entry["manager"]}"'
+                          + (f' using {entry["apiVersion"]}' if entry.get('apiVersion') else '')}
+              for entry, path in conflicts]
+    return ApiError(409, 'Conflict', f'Apply failed with {n} conflict{"s" if n > 1 else ""}: ' + '\n'.join(parts),
+                    {'causes': causes})

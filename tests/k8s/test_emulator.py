@@ -255,12 +255,6 @@ def test_stale_resource_version_update_gets_409(api, ns):
     assert ok(api.request('GET', CONFIGMAPS.format(ns=ns) + '/c'))['data'] == {'a': '2'}
 
 
-def test_server_side_apply_is_refused_with_415(api, ns):
-    status, body = api.request('PATCH', CONFIGMAPS.format(ns=ns) + '/ssa?fieldManager=x', b'data: {}',
-                               'application/apply-patch+yaml')
-    assert status == 415 and 'server-side apply' in body['message']
-
-
 # --- status subresource --------------------------------------------------------------------------
 
 def test_status_subresource_writes_change_only_the_status(api, ns):

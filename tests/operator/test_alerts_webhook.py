@@ -266,7 +266,7 @@ def test_a_mark_stays_while_its_alert_fires_and_goes_when_that_alert_resolves(
 
 def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(
         emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
-    emu.inject_fault(500, method="PATCH", path="modeldeployments/scorer", times=1)
+    emu.inject_fault(500, method="PATCH", path="modeldeployments/scorer", times=5)  # more than the client retries
     body = payload(alert({"alertname": "A", "namespace": "default", "modeldeployment": "scorer"}))
     resp = post(webhook, body)
     assert resp.status_code == 503 and "500" in resp.json()["error"]
