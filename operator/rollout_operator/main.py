@@ -1,18 +1,20 @@
-"""kopf registrations and startup settings only; every handler delegates to ``Reconciler``."""
+"""kopf registrations and startup settings only; the work is in ``WakeUps`` and ``Reconciler``.
+
+One async daemon per ModelDeployment (an asyncio task, no thread) runs the object's loop in
+``wakeups.WakeUps``; the watch handlers below only wake it. Reconciles run on a bounded pool.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, cast
 
 import kopf
 
-from .children import GROUP
-from .analyzer import next_due
-from .reconcile import Outcome, Reconciler
-from .spec import SpecError, parse_spec
-from .status import RolloutStatus
+from .children import GROUP, OWNER_LABEL
+from .ports import ClusterPorts
+from .rollout import Event
+from .wakeups import WakeUps
 
 VERSION = "v1alpha1"
 PLURAL = "modeldeployments"
@@ -28,64 +30,62 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING  # kopf's own log lines as Events: warnings and errors only
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
-    settings.execution.max_workers = 32
+    # Only the delete handler runs on kopf's executor; reconciles have their own bounded pool.
+    settings.execution.max_workers = 4
     # A replica that dies without saying goodbye blocks the standby for this long: keep it short.
     settings.peering.lifetime = int(memo.get("peering_lifetime", 15))
 
 
-def _post(body: Any, outcome: Outcome) -> None:
-    for event in outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+@kopf.on.startup()
+def sync_cache(memo: kopf.Memo, **_: Any) -> None:
+    """Fill the watch cache with one list per kind before the watches start (WaitForCacheSync)."""
+    ports = memo.wakeups.reconciler.ports
+    if isinstance(ports, ClusterPorts):
+        ports.cache.sync(ports.kube, memo.get("namespaces"))
+        log.info("watch cache synced: runtime pods and children of every ModelDeployment")
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL, backoff=1)
-@kopf.on.update(GROUP, VERSION, PLURAL, backoff=1)
-@kopf.on.resume(GROUP, VERSION, PLURAL, backoff=1)
-def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Spec or annotations changed (or the operator started): reconcile now."""
-    reconciler: Reconciler = memo.reconciler
-    outcome = reconciler.reconcile(dict(body))
-    if outcome is not None:
-        _post(body, outcome)
+def post_events(body: dict[str, Any], events: list[Event]) -> None:
+    """The Events of one reconcile, on the object (kopf posts them from its own loop)."""
+    for event in events:
+        kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=event.type, reason=event.reason, message=event.message)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5, backoff=1)
-def observe(*, stopped: kopf.DaemonStopped, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """Level-based loop: re-read the object, observe pods and metrics, reconcile; sleep until the
-    next analysis is due or the resync period passes."""
-    reconciler: Reconciler = memo.reconciler
+async def observe(*, stopped: kopf.DaemonStopped, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+    """The object's reconcile loop: at start, on wake-ups, and when a timer of its rollout is due."""
+    wakeups: WakeUps = memo.wakeups
     assert namespace is not None  # ModelDeployments are namespaced
-    while not stopped:
-        started = time.monotonic()
-        live = None
-        try:
-            live = reconciler.ports.read(namespace, name)
-            if live is None:
-                return
-            if not live.get("metadata", {}).get("deletionTimestamp"):
-                outcome = reconciler.reconcile(live)
-                for event in outcome.events if outcome else []:
-                    kopf.event(kopf.Body(cast(kopf.RawBody, live)), type=event.type, reason=event.reason,
-                               message=event.message)
-        except Exception:  # keep observing; the next pass retries
-            log.exception("reconcile of %s/%s failed; retrying", namespace, name)
-        stopped.wait(_sleep(reconciler, live, memo.resync_seconds, time.monotonic() - started))
+    await wakeups.run(namespace, name, stopped)
 
 
-def _sleep(reconciler: Reconciler, live: dict[str, Any] | None, resync: float, spent: float) -> float:
-    """Until the next analysis is due, or the resync period, whichever comes first."""
-    wait = resync - spent
-    if live is not None:
-        try:
-            due = next_due(parse_spec(live.get("spec")), RolloutStatus.from_dict(live.get("status")))
-        except SpecError:
-            due = None
-        if due is not None:
-            wait = min(wait, due - reconciler.clock())
-    return max(0.05, wait)
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def modeldeployment_changed(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:  # noqa: A002
+    """Spec, annotations (actions, alerts) or deletion changed: wake the object's loop."""
+    memo.wakeups.on_modeldeployment(dict(body), type)
+
+
+@kopf.on.event("", "v1", "pods", labels={OWNER_LABEL: kopf.PRESENT})
+async def runtime_pod_changed(body: kopf.Body, type: str | None, labels: kopf.Labels, memo: Any,  # noqa: A002
+                              **_: Any) -> None:
+    """A runtime pod started, became (un)ready, moved or went: wake its ModelDeployment's loop."""
+    memo.wakeups.on_pod(type, dict(body), labels[OWNER_LABEL])
+
+
+async def _child_changed(body: kopf.Body, type: str | None, labels: kopf.Labels, memo: Any,  # noqa: A002
+                         **_: Any) -> None:
+    memo.wakeups.on_child(type, dict(body), labels[OWNER_LABEL])
+
+
+# Children edited or deleted by hand wake their owner, whose reconcile puts them back.
+for _group, _version, _plural in (("", "v1", "configmaps"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
+                                  ("apps", "v1", "deployments"), ("rbac.authorization.k8s.io", "v1", "roles"),
+                                  ("rbac.authorization.k8s.io", "v1", "rolebindings")):
+    kopf.on.event(_group, _version, _plural, labels={OWNER_LABEL: kopf.PRESENT},
+                  id=f"child-{_plural}")(_child_changed)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def forget(*, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     """Children go by garbage collection (owner references); only drop our metric series."""
-    memo.reconciler.metrics.forget(namespace or "", name)
+    memo.wakeups.reconciler.metrics.forget(namespace or "", name)

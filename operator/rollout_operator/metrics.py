@@ -34,6 +34,9 @@ class OperatorMetrics:
         self.step_seconds = Histogram("mnn_rollout_step_duration_seconds", "Time a canary spent on one step.",
                                       ["namespace", "name"], registry=r,
                                       buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+        self.analysis_lateness = Histogram(
+            "mnn_rollout_analysis_lateness_seconds", "How long after its due time an analysis ran.", registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
         for outcome in ("ok", "invalid_spec", "error"):
             self.reconciles.labels(outcome)
         self._lock = threading.Lock()

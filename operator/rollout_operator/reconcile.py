@@ -19,6 +19,8 @@ from typing import Any
 
 from . import children
 from .verdicts import Analysis
+from .analyzer import next_due
+from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
 from .ports import Ports
@@ -41,6 +43,7 @@ class Outcome:
     children: dict[str, str] = field(default_factory=dict)
     wrote_status: bool = False
     analysis: Analysis | None = None
+    conflict: bool = False  # the status write met a newer version of the object: reconcile again
 
 
 def firing_alert(mark: str | None, canary: str | None) -> str | None:
@@ -117,8 +120,17 @@ class Reconciler:
                                          routed_versions(spec, new))
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         first = not (body.get("status") or {}).get("observedGeneration")
-        events.extend(self._child_events(first, status, new, written))
-        wrote = self._write_status(body, new)
+        child_events = self._child_events(first, status, new, written)
+        try:
+            wrote = self._write_status(body, new)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            # Decided from an older version of the object: the next reconcile decides again from
+            # the fresh one (and emits the decision's events then). What was written to the
+            # children happened, and is said now, or never.
+            return Outcome(status, child_events, written, False, None, conflict=True)
+        events.extend(child_events)
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote, analysis)
 
@@ -143,7 +155,11 @@ class Reconciler:
             return None
         if status.phase != Phase.PROGRESSING or status.canary_weight <= 0:
             return None
-        return self.analyzer(spec, status, body, observation, now)
+        analysis = self.analyzer(spec, status, body, observation, now)
+        due = next_due(spec, status)
+        if analysis is not None and due is not None and status.analysis.get("checkedAt"):
+            self.metrics.analysis_lateness.observe(max(0.0, now - due))  # after the previous check
+        return analysis
 
     def _invalid(self, body: dict[str, Any], status: RolloutStatus, message: str, now: float) -> Outcome:
         new = mark_invalid(status, message, now)

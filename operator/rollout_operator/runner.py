@@ -40,13 +40,22 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "operator") -> None
                    help="image of the runtime pods when a ModelDeployment names none "
                         f"(default {DEFAULT_IMAGE}; the Helm chart passes its own image)")
     p.add_argument("--resync-seconds", type=float, default=float(env("MNN_ROLLOUT_RESYNC_SECONDS", "2")),
-                   help="how often each ModelDeployment is observed and reconciled (default 2)")
+                   help="how often a ModelDeployment is observed while a rollout is in flight or a version is "
+                        "loading; idle objects are reconciled on their own and their pods' events only (default 2)")
+    p.add_argument("--reconcile-workers", type=int, default=int(env("MNN_ROLLOUT_RECONCILE_WORKERS", "16")),
+                   help="threads that run reconciles, shared by every ModelDeployment (default 16)")
+    p.add_argument("--kube-qps", type=float, default=float(env("MNN_ROLLOUT_KUBE_QPS", "20")),
+                   help="client-side rate limit of the operator's own Kubernetes API requests, per second "
+                        "sustained (children, status, pods, the webhook; not kopf's watches); 0 disables "
+                        "(default 20)")
+    p.add_argument("--kube-burst", type=int, default=int(env("MNN_ROLLOUT_KUBE_BURST", "30")),
+                   help="requests allowed at once above --kube-qps (default 30)")
 
 
 def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> int:
     import kopf
 
-    from . import main as _handlers  # noqa: F401  (registers the kopf handlers)
+    from .main import post_events  # (importing main registers the kopf handlers)
     from .alerts import AlertWebhook
     from .analyzer import Analyzer
     from .kube import KubeClient
@@ -54,11 +63,12 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
     from .ports import ClusterPorts
     from .providers.factory import ProviderFactory
     from .reconcile import Reconciler
+    from .wakeups import WakeUps
 
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
-    kube = KubeClient()
+    kube = KubeClient(qps=args.kube_qps, burst=args.kube_burst)  # one client, one rate limit, for every thread
     reconciler = Reconciler(ClusterPorts(kube), metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)),
                             runtime_image=args.runtime_image)
     if args.webhook_port:
@@ -66,13 +76,14 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
             log.error("--webhook-port is set but --webhook-token-file is not: the webhook stays off")
         else:
             token_path = Path(args.webhook_token_file)
-            webhook = AlertWebhook(KubeClient(), args.webhook_host, args.webhook_port,
+            webhook = AlertWebhook(kube, args.webhook_host, args.webhook_port,
                                    lambda: token_path.read_text().strip() if token_path.is_file() else "",
                                    args.namespace or None)
             webhook.start()
             log.info("Alertmanager webhook on %s:%s/alerts", args.webhook_host, webhook.port)
-    memo = kopf.Memo(reconciler=reconciler, resync_seconds=args.resync_seconds,
-                     peering_lifetime=args.peering_lifetime, **(memo_extra or {}))
+    wakeups = WakeUps(reconciler, post_events, workers=args.reconcile_workers, resync_seconds=args.resync_seconds)
+    memo = kopf.Memo(wakeups=wakeups, peering_lifetime=args.peering_lifetime, namespaces=args.namespace or None,
+                     **(memo_extra or {}))
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     kwargs: dict[str, Any] = {"memo": memo, "standalone": args.standalone, "priority": priority,
                               "liveness_endpoint": args.liveness or None}
@@ -84,5 +95,9 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
         kwargs["clusterwide"] = True
     log.info("operator starting (priority %s, peering %s)", priority,
              "off" if args.standalone else args.peering)
+    if not args.standalone:
+        from .peering import watch_peering
+
+        watch_peering(kube, args.peering, args.namespace or None)
     kopf.run(**kwargs)
     return 0

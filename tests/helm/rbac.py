@@ -124,8 +124,18 @@ def code_needs() -> dict[Triple, list[str]]:
                 assert call is not None, where
                 sub = next((k.value.value for k in call.keywords
                             if k.arg == "subresource" and isinstance(k.value, ast.Constant)), None)
+                if call.args and isinstance(call.args[0], ast.Constant) and "Peering" in call.args[0].value:
+                    continue  # peering.py lists kopf's peering objects where kopf itself does: kopf_needs
                 if call.args and isinstance(call.args[0], ast.Constant):
                     group, plural = group_resource(call.args[0].value)
+                elif method == "create" and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj":
+                    add([(*group_resource(kind), "create") for kind in _children_kinds()], where)  # a child
+                    continue
+                elif method == "list" and path.name == "ports.py" and ast.unparse(call.args[0]) == "kind":
+                    from rollout_operator.ports import SYNCED_KINDS  # WatchCache.sync lists each of these
+
+                    add([(*group_resource(kind), "list") for kind in SYNCED_KINDS], where)
+                    continue
                 elif method == "replace" and sub == "status" and path.name == "ports.py":
                     group, plural = group_resource("ModelDeployment")  # store_status: the MD's own status
                 else:
@@ -171,6 +181,23 @@ def owner_reference_needs() -> set[Triple]:
     return {(group, f"{plural}/finalizers", "update")}
 
 
+def watched_by_handlers() -> set[tuple[str, str]]:
+    """(group, plural) of every resource a kopf handler of the operator watches, read from kopf's
+    registry after importing the handlers."""
+    import kopf
+
+    import rollout_operator.main  # noqa: F401  (registers the handlers)
+
+    registry = kopf.get_default_registry()
+    out = set()
+    for part in (registry._watching, registry._spawning, registry._changing, registry._indexing):
+        for selector in part.get_all_selectors():
+            plural = selector.plural or selector.any_name
+            assert selector.group is not None and plural, selector
+            out.add((selector.group, plural))
+    return out
+
+
 def kopf_needs(cluster_wide: bool) -> dict[str, set[Triple]]:
     """kopf 1.45's own API use, split by scope: "namespaced" is needed in every watched namespace
     (or cluster-wide), "cluster" on cluster-scoped resources."""
@@ -185,6 +212,9 @@ def kopf_needs(cluster_wide: bool) -> dict[str, set[Triple]]:
         # kopf.event() and kopf's own warnings: POST core/v1 events.
         (ref.EVENTS.group, ref.EVENTS.any_name, "create"),
     }
+    # every other resource the operator's kopf handlers watch (main.py), e.g. the runtime pods
+    namespaced |= {(group_of, plural_of, verb) for group_of, plural_of in watched_by_handlers()
+                   for verb in ("list", "watch")}
     peering = ref.CLUSTER_PEERINGS_K if cluster_wide else ref.NAMESPACED_PEERINGS_K
     # peering: list + watch the peering object, merge-patch keep-alives into it.
     peerings = {(peering.group, peering.any_name, v) for v in ("list", "watch", "patch")}

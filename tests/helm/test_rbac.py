@@ -42,10 +42,10 @@ def test_kopf_handlers_return_nothing_so_kopf_never_patches_status() -> None:
     """Why modeldeployments/status has no `patch`: kopf writes handler results into status only
     when a handler returns a value; its progress and diff-base live in annotations (main.py)."""
     tree = ast.parse((ROOT / "operator/rollout_operator/main.py").read_text())
-    handlers = [f for f in tree.body if isinstance(f, ast.FunctionDef)
+    handlers = [f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                 and any("kopf.on." in ast.unparse(d) or "kopf.daemon" in ast.unparse(d) for d in f.decorator_list)
                 and not any("startup" in ast.unparse(d) for d in f.decorator_list)]
-    assert {f.name for f in handlers} >= {"reconcile", "observe", "forget"}
+    assert {f.name for f in handlers} >= {"observe", "modeldeployment_changed", "runtime_pod_changed", "forget"}
     for fn in handlers:
         for node in ast.walk(fn):
             if isinstance(node, ast.Return):

@@ -91,5 +91,5 @@ def test_a_bad_cpu_quantity_is_refused_naming_the_field() -> None:
 
     from rollout_operator.spec import SpecError
 
-    with pytest.raises(SpecError, match=r"spec.runtime.resources: .*limits.cpu: 'two' is not a CPU quantity"):
+    with pytest.raises(SpecError, match=r"spec\.runtime\.resources\.limits\.cpu: 'two' is not a CPU quantity"):
         parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}], "runtime": {"resources": {"limits": {"cpu": "two"}}}})

@@ -99,27 +99,29 @@ tests/helm/test_rbac.py checks this list against the code and that nothing else 
 - apiGroups: [mnnrollout.io]
   resources: [modeldeployments/finalizers]
   verbs: [update]
-# Children: ConfigMap <name>-routing, Service, ServiceAccount: read, create, replace (PUT).
-# ConfigMaps also list/watch: the runtime's Role grants get/list/watch on its ConfigMap, and
-# RBAC lets a subject grant only permissions it holds itself.
+# Children: ConfigMap <name>-routing, Service, ServiceAccount: read, create, replace (PUT);
+# list/watch (by the owner label) so that a child edited or deleted by hand wakes its owner,
+# whose reconcile puts it back. (The runtime's Role grants get/list/watch on its ConfigMap, and
+# RBAC lets a subject grant only permissions it holds itself.)
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, list, watch, create, update]
 - apiGroups: [""]
   resources: [services, serviceaccounts]
-  verbs: [get, create, update]
+  verbs: [get, list, watch, create, update]
 # Children: Deployment <name>-runtime.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, update]
+  verbs: [get, list, watch, create, update]
 # Children: the runtime's Role and RoleBinding.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [get, create, update]
-# Runtime pods are listed (by label) to find the ready ones and scrape their /metrics.
+  verbs: [get, list, watch, create, update]
+# Runtime pods are listed (by label) to find the ready ones and scrape their /metrics, and
+# watched (by label) so that a pod becoming ready or going away wakes its ModelDeployment.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 # spec.strategy.analysis.provider.secretRef: the Prometheus Authorization header, read by name.
 - apiGroups: [""]
   resources: [secrets]

@@ -1,0 +1,200 @@
+"""When each ModelDeployment is reconciled: on its own events, its pods' events, and on timers only
+while something is in flight. No thread is held per object.
+
+Each object has one asyncio task (a kopf daemon) that sleeps until it is woken or its next due
+time passes, then runs ``Reconciler.reconcile`` on a bounded thread pool shared by every object.
+It is woken by a change of the object's generation, annotations (actions, alerts) or deletion,
+by a change of its runtime pods' phase, readiness or address, and by a change to one of its
+children (a hand edit or deletion, which the reconcile repairs); its own status writes do not
+wake it. An idle object (no canary in flight, every routed version loaded, no pending action) has
+no timer at all: it costs nothing but its share of the watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .analyzer import next_due
+from .kube import ApiError
+from .ports import WatchCache
+from .reconcile import Reconciler
+from .rollout import Event
+from .spec import ModelDeploymentSpec, SpecError, parse_spec
+from .status import Phase, RolloutStatus
+
+log = logging.getLogger(__name__)
+Key = tuple[str, str]  # (namespace, name)
+
+# Phases whose next step depends on time or on state only the pods' HTTP endpoints show.
+TIMED = (Phase.PROGRESSING, Phase.PROMOTING)
+
+
+def md_signature(body: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a ModelDeployment, when it changes, calls for a reconcile (not its status)."""
+    meta = body.get("metadata") or {}
+    return (meta.get("uid"), meta.get("generation"), tuple(sorted((meta.get("annotations") or {}).items())),
+            bool(meta.get("deletionTimestamp")))
+
+
+def pod_signature(body: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a runtime pod the reconcile looks at: phase, readiness, address, restarts, deletion."""
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    ready = next((c.get("status") for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    restarts = tuple(c.get("restartCount") for c in status.get("containerStatuses") or [])
+    return (status.get("phase"), ready, status.get("podIP"), restarts, bool(meta.get("deletionTimestamp")))
+
+
+def child_signature(body: dict[str, Any]) -> tuple[Any, ...]:
+    """A child's content as the operator renders it: everything but status and bookkeeping."""
+    meta = body.get("metadata") or {}
+    content = {k: v for k, v in body.items() if k not in ("metadata", "status")}
+    return (repr(sorted(content.items())), tuple(sorted((meta.get("labels") or {}).items())),
+            tuple(sorted((meta.get("annotations") or {}).items())), bool(meta.get("deletionTimestamp")))
+
+
+def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resync: float,
+              now: float) -> float | None:
+    """Seconds until the object must be looked at again without an event; None: only on events."""
+    due = next_due(spec, status) if status.phase == Phase.PROGRESSING else None
+    polling = status.phase in TIMED or bool(status.pending_action)
+    # A version loading inside running pods changes no Kubernetes object: poll while one is.
+    loading = pods > 0 and any(not v.get("ready") for v in status.versions)
+    if status.phase == Phase.PROMOTING and status.promoted_at is not None:
+        due = status.promoted_at + spec.strategy.scale_down_delay_seconds
+    if not (polling or loading):
+        return None
+    wait = resync
+    if due is not None:
+        wait = min(wait, due - now)
+    return max(0.0, wait)
+
+
+class WakeUps:
+    """The per-object tasks, the wake-up signals and the shared reconcile pool."""
+
+    def __init__(self, reconciler: Reconciler, post: Callable[[dict[str, Any], list[Event]], None],
+                 workers: int = 16, resync_seconds: float = 2.0, clock: Callable[[], float] = time.time) -> None:
+        self.reconciler = reconciler
+        self.post = post  # Events of one reconcile, posted on the object
+        self.cache: WatchCache | None = getattr(reconciler.ports, "cache", None)
+        self.resync = resync_seconds
+        self.clock = clock
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
+        self._events: dict[Key, asyncio.Event] = {}
+        self._seen: dict[Key, tuple[Any, ...]] = {}
+        self._pods: dict[tuple[str, str], tuple[Any, ...]] = {}  # (namespace, pod) -> signature
+        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}  # (namespace, Kind/name) -> signature
+
+    def wake(self, key: Key) -> None:
+        event = self._events.get(key)
+        if event is not None:
+            event.set()
+
+    def on_modeldeployment(self, body: dict[str, Any], event_type: str | None = None) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        signature = md_signature(body)
+        if self._seen.get(key) != signature:
+            self._seen[key] = signature
+            self.wake(key)
+
+    def on_pod(self, event_type: str | None, body: dict[str, Any], owner: str) -> None:
+        meta = body.get("metadata") or {}
+        pod = (meta.get("namespace", ""), meta.get("name", ""))
+        if self.cache is not None:
+            self.cache.put_pod(body, deleted=event_type == "DELETED")
+        signature = None if event_type == "DELETED" else pod_signature(body)
+        if self._pods.get(pod) == signature:
+            return
+        if signature is None:
+            self._pods.pop(pod, None)
+        else:
+            self._pods[pod] = signature
+        self.wake((pod[0], owner))
+
+    def on_child(self, event_type: str | None, body: dict[str, Any], owner: str) -> None:
+        """A child changed: wake its owner when it was deleted or is not what the owner last
+        rendered (the operator's own writes, and a Deployment's status counts, wake nothing)."""
+        meta = body.get("metadata") or {}
+        child = (meta.get("namespace", ""), f"{body.get('kind')}/{meta.get('name', '')}")
+        deleted = event_type == "DELETED"
+        if self.cache is not None:
+            self.cache.put_child(body, deleted=deleted)
+            if not deleted and not self.cache.differs(body):
+                self._children[child] = child_signature(body)
+                return
+        signature = None if deleted else child_signature(body)
+        if self._children.get(child) == signature:
+            return
+        if signature is None:
+            self._children.pop(child, None)
+        else:
+            self._children[child] = signature
+        self.wake((child[0], owner))
+
+    async def run(self, namespace: str, name: str, stopped: Any) -> None:
+        """The object's loop: reconcile, then sleep until woken, due, or stopped."""
+        key = (namespace, name)
+        event = self._events.setdefault(key, asyncio.Event())
+        loop = asyncio.get_running_loop()
+        stop = asyncio.ensure_future(_stopped(stopped))
+        try:
+            while not stopped:
+                event.clear()
+                # kopf's context (where kopf.event posts) goes along into the pool's thread
+                context = contextvars.copy_context()
+                delay = await loop.run_in_executor(self.pool, context.run, self._once, namespace, name)
+                if delay is False:
+                    return  # the object is gone
+                woken = asyncio.ensure_future(event.wait())
+                await asyncio.wait({woken, stop}, timeout=None if delay is None else float(delay),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+        finally:
+            stop.cancel()
+            self._events.pop(key, None)
+            self._seen.pop(key, None)
+
+    def _once(self, namespace: str, name: str) -> float | None | bool:
+        """One reconcile (in the pool); the next wake-up delay, None for events only, False when gone."""
+        try:
+            live = self.reconciler.ports.read(namespace, name)
+            if live is None:
+                return False
+            if live.get("metadata", {}).get("deletionTimestamp"):
+                return None
+            outcome = self.reconciler.reconcile(live)
+            if outcome is None:
+                return False
+            if outcome.events:
+                self.post(live, outcome.events)
+            if outcome.conflict:
+                log.info("status of %s/%s was decided from an older version; again shortly", namespace, name)
+                return 0.2
+            spec = parse_spec(live.get("spec"))
+            pods = max((int(v.get("pods", 0)) for v in outcome.status.versions), default=0)
+            return next_wake(spec, outcome.status, pods, self.resync, self.clock())
+        except SpecError:
+            return None  # an invalid spec waits for the user's next edit
+        except ApiError as exc:
+            if exc.status == 409:  # a child written by someone else in between
+                log.info("reconcile of %s/%s met a conflict; again shortly", namespace, name)
+                return 0.2
+            log.exception("reconcile of %s/%s failed; retrying in %g s", namespace, name, self.resync)
+            return self.resync
+        except Exception:  # keep the object's loop alive; the next pass retries
+            log.exception("reconcile of %s/%s failed; retrying in %g s", namespace, name, self.resync)
+            return self.resync
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _stopped(stopped: Any) -> None:
+    await stopped.wait()
