@@ -15,7 +15,7 @@ For each N (default 100, 300, 1000) a fresh emulator and a real ``mnn-rollout op
    figures measure the emulator, and the bench says so.
 
 The emulator is the test bed's (``tests/k8s/emulator.py``); it runs as its own process, started
-with ``python -m tests.k8s.emulator``: nothing of the tests is imported here.
+with ``python -m testbed.k8s.emulator``: nothing of the tests is imported here.
 
     .venv/bin/python bench/operator_scale.py [--sizes 100 300 1000] [--in-flight 50]
 """
@@ -79,8 +79,8 @@ def rss_mb(pid: int) -> float:
 
 
 def start_emulator(workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "tests.k8s.emulator", "--host", "127.0.0.1", "--port", "0",
-           "--crd", str(ROOT / "crds" / "modeldeployment.yaml"), "--crd", str(ROOT / "tests" / "k8s" / "peering-crd.yaml")]
+    cmd = [sys.executable, "-m", "testbed.k8s.emulator", "--host", "127.0.0.1", "--port", "0",
+           "--crd", str(ROOT / "crds" / "modeldeployment.yaml"), "--crd", str(ROOT / "testbed" / "k8s" / "peering-crd.yaml")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                             stderr=(workdir / "emulator.log").open("w"), text=True)
     assert proc.stdout is not None

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from mnn_rollout.local.traffic import Traffic  # noqa: E402
 from mnn_runtime.examples import build_examples  # noqa: E402
-from tests.k8s.harness import EmulatorProcess  # noqa: E402
-from tests.k8s.kubelet import Kubelet  # noqa: E402
-from tests.operator.cluster import CRD, PEERING_CRD, Cluster, wait_for  # noqa: E402
+from testbed.k8s.harness import EmulatorProcess  # noqa: E402
+from testbed.k8s.kubelet import Kubelet  # noqa: E402
+from testbed.cluster import CRD, PEERING_CRD, Cluster, wait_for  # noqa: E402
 
 FLAGGER_INTERVAL, FLAGGER_THRESHOLD = 60.0, 1
 TARGET_P95 = 5.0
@@ -111,7 +111,7 @@ def run_path(path: str, runs: int, models: Path, workdir: Path) -> list[float]:
 
 
 def start_alerting(cluster: Cluster, op: Any, workdir: Path) -> list[Any]:
-    from tests.promstack import Alertmanager, Prometheus
+    from testbed.promstack import Alertmanager, Prometheus
 
     rules = workdir / "rules.yaml"
     rules.write_text(

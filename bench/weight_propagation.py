@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from mnn_runtime.examples import build_examples  # noqa: E402
 from mnn_rollout.contract.routing import RoutingTable  # noqa: E402
-from tests.k8s.harness import EmulatorProcess  # noqa: E402
-from tests.k8s.kubelet import Kubelet  # noqa: E402
-from tests.operator.cluster import CRD, PEERING_CRD, Cluster, wait_for  # noqa: E402
+from testbed.k8s.harness import EmulatorProcess  # noqa: E402
+from testbed.k8s.kubelet import Kubelet  # noqa: E402
+from testbed.cluster import CRD, PEERING_CRD, Cluster, wait_for  # noqa: E402
 
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
 TARGET = 2.0

@@ -1,5 +1,7 @@
 """One of each local-run helper: one ``free_port``, one ``wait_for``, one traffic generator, all in
-``common/mnn_rollout/local/``; and the benchmarks import no test module."""
+``common/mnn_rollout/local/``; and the benchmarks import no test module (what they share with the
+tests, the emulator, the kubelet stand-in, the test cluster and the Prometheus stack, is in
+``testbed/``)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,6 @@ LOCAL = ROOT / "common" / "mnn_rollout" / "local"
 SKIP = {"build", "dist", "node_modules", "__pycache__"}
 # a class named like a load generator: Traffic, Load, HotLoad, LoadGen, FailureClock, ...
 GENERATOR_NAME = re.compile(r"(?i).*(traffic|load|loadgen|loadgenerator|clock)")
-# bench/ files that still import a test module, and why: the Kubernetes API emulator, the kubelet
-# stand-in, the test cluster and the Prometheus stack they run on live under tests/ only
-STILL_IMPORTING_TESTS = {
-    "rollback_latency.py": "needs tests.k8s (emulator, kubelet), tests.operator.cluster and tests.promstack",
-    "weight_propagation.py": "needs tests.k8s (emulator, kubelet) and tests.operator.cluster",
-}
-
-
 @functools.cache
 def python_files() -> list[Path]:
     """The repository's own Python files: no virtualenv, no hidden or build directory."""
@@ -84,13 +78,11 @@ def test_one_traffic_generator() -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "bench").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_bench_imports_no_test_module(path: Path) -> None:
-    if path.name in STILL_IMPORTING_TESTS:
-        pytest.xfail(STILL_IMPORTING_TESTS[path.name])
     tests = sorted(m for m in imported_modules(path) if m == "tests" or m.startswith("tests."))
     assert tests == []
 
 
-@pytest.mark.parametrize("name", sorted(STILL_IMPORTING_TESTS))
-def test_the_known_exceptions_still_need_their_exception(name: str) -> None:
-    """Remove a file from STILL_IMPORTING_TESTS once it imports no test module."""
-    assert any(m == "tests" or m.startswith("tests.") for m in imported_modules(ROOT / "bench" / name))
+def test_the_test_bed_imports_no_test_module() -> None:
+    found = {str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p) if m == "tests" or m.startswith("tests."))
+             for p in (ROOT / "testbed").rglob("*.py")}
+    assert "testbed/k8s/emulator.py" in found and not any(found.values()), found

@@ -283,7 +283,7 @@ def test_schema_accepts_the_defaults_and_the_non_default_values() -> None:
 
 def test_crd_copies_equal_the_sources_byte_for_byte() -> None:
     assert (CHART / "crds/modeldeployment.yaml").read_bytes() == (ROOT / "crds/modeldeployment.yaml").read_bytes()
-    assert (CHART / "crds/kopf-peerings.yaml").read_bytes() == (ROOT / "tests/k8s/peering-crd.yaml").read_bytes()
+    assert (CHART / "crds/kopf-peerings.yaml").read_bytes() == (ROOT / "testbed/k8s/peering-crd.yaml").read_bytes()
     assert (CHART / "files/prometheus-rules.yaml").read_bytes() == (ROOT / "examples/prometheus-rules.yaml").read_bytes()
     names = sorted(c["metadata"]["name"] for c in render().crds)
     assert names == ["clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "modeldeployments.mnnrollout.io"]

@@ -179,7 +179,7 @@ def test_every_copy_source_exists_or_comes_from_a_named_stage(stages: list[Stage
 
 def test_dockerignore_keeps_the_context_small() -> None:
     patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines() if p.strip() and not p.startswith("#")]
-    for path in (".venv", ".git", "tests", "bench", "runtime/mnn_runtime/__pycache__", ".pytest_cache",
+    for path in (".venv", ".git", "tests", "testbed", "bench", "runtime/mnn_runtime/__pycache__", ".pytest_cache",
                  ".mypy_cache", "mnn_rollout.egg-info"):
         assert dockerignored(path, patterns), path
     for path in ("pyproject.toml", "README.md", "common/mnn_rollout/cli.py", "operator/rollout_operator/main.py"):

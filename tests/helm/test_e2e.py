@@ -41,10 +41,10 @@ from mnn_rollout.local.traffic import Traffic
 from tests.helm import rbac
 from tests.helm.chart import NAMESPACE, RELEASE, Rendered, render
 from tests.k8s.fixtures import k8s_emulator_factory  # noqa: F401
-from tests.k8s.harness import EmulatorProcess
-from tests.k8s.kubelet import Kubelet
+from testbed.k8s.harness import EmulatorProcess
+from testbed.k8s.kubelet import Kubelet
 from tests.k8s.kubelet_fixtures import kubelet_factory  # noqa: F401
-from tests.operator.cluster import Cluster, OperatorProcess, wait_for
+from testbed.cluster import Cluster, OperatorProcess, wait_for
 from tests.operator.test_e2e_rollout import canary, start_stable
 
 pytestmark = pytest.mark.timeout(180)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from .fixtures import k8s_emulator, k8s_emulator_factory  # noqa: F401
-from .harness import WIDGET_CRD, EmulatorProcess
+from testbed.k8s.harness import WIDGET_CRD, EmulatorProcess
 from .helpers import create_namespace, unique
 
 

@@ -2,7 +2,7 @@
 Pytest fixtures for the Kubernetes API emulator (function-scoped: every test gets a fresh,
 empty cluster in its own process, ~0.5 s to start).
 
-* ``k8s_emulator`` -> :class:`tests.k8s.harness.EmulatorProcess` with no CRDs registered:
+* ``k8s_emulator`` -> :class:`testbed.k8s.harness.EmulatorProcess` with no CRDs registered:
   ``.url``, ``.kubeconfig_path``, ``.env()`` (KUBECONFIG + KUBECACHEDIR for subprocesses),
   ``.kubectl(*args, check=True, timeout=30, input=None)``, ``.api_client()`` (kubernetes client),
   ``.request(method, path, body=None, content_type=..., headers=None) -> (status, json)``,
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from .harness import EmulatorProcess
+from testbed.k8s.harness import EmulatorProcess
 
 
 @pytest.fixture

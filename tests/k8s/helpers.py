@@ -5,7 +5,7 @@ import json
 import urllib.parse
 from typing import Any
 
-from .harness import EmulatorProcess
+from testbed.k8s.harness import EmulatorProcess
 
 WIDGETS = '/apis/example.io/v1/namespaces/{ns}/widgets'
 CONFIGMAPS = '/api/v1/namespaces/{ns}/configmaps'

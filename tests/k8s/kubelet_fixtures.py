@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from .fixtures import k8s_emulator, k8s_emulator_factory  # noqa: F401
-from .harness import EmulatorProcess
-from .kubelet import Kubelet
+from testbed.k8s.harness import EmulatorProcess
+from testbed.k8s.kubelet import Kubelet
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ test_emulator_client.py, real kubectl in test_emulator_kubectl.py and kopf in te
 import pytest
 import yaml
 
-from .harness import WIDGET_CRD
+from testbed.k8s.harness import WIDGET_CRD
 from .helpers import CONFIGMAPS, WIDGETS, configmap, ok, widget
 
 pytestmark = pytest.mark.timeout(30)

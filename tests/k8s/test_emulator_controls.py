@@ -8,15 +8,15 @@ import kmock
 import pytest
 import yaml
 
-from .emulator import Emulator
-from .harness import ROOT, WIDGET_CRD
+from testbed.k8s.emulator import Emulator
+from testbed.k8s.harness import ROOT, WIDGET_CRD
 from .helpers import CONFIGMAPS, WIDGETS, configmap, ok, widget
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def test_the_cli_prints_ready_with_its_url_and_registers_crds_from_files():
-    proc = subprocess.Popen([sys.executable, '-m', 'tests.k8s.emulator', '--host', '127.0.0.1', '--port', '0',
+    proc = subprocess.Popen([sys.executable, '-m', 'testbed.k8s.emulator', '--host', '127.0.0.1', '--port', '0',
                              '--crd', str(WIDGET_CRD)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

@@ -9,7 +9,7 @@ import kopf
 import pytest
 from kopf.testing import KopfRunner
 
-from .harness import PEERING_CRD, WIDGET_CRD, EmulatorProcess
+from testbed.k8s.harness import PEERING_CRD, WIDGET_CRD, EmulatorProcess
 from .helpers import WIDGETS, ok
 
 pytestmark = pytest.mark.timeout(60)

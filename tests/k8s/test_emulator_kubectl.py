@@ -7,7 +7,7 @@ import time
 import pytest
 import yaml
 
-from .harness import ROOT, WIDGET_CRD
+from testbed.k8s.harness import ROOT, WIDGET_CRD
 from .helpers import WIDGETS, ok
 
 pytestmark = pytest.mark.timeout(60)

@@ -139,7 +139,7 @@ def test_table_rendering_for_builtins_has_name_and_age(api, ns):
 
 
 def test_human_ages_follow_the_api_server_format():
-    from .tables import human_duration
+    from testbed.k8s.tables import human_duration
     assert [human_duration(s) for s in (5, 119, 150, 3600, 9 * 3600, 3 * 86400 + 3600, 400 * 86400)] == \
         ['5s', '119s', '2m30s', '60m', '9h', '3d1h', '400d']
 

@@ -13,8 +13,8 @@ import pytest
 from mnn_rollout.contract.routing import RoutingTable
 from mnn_rollout.local.net import wait_for
 
-from .harness import EmulatorProcess
-from .kubelet import Kubelet
+from testbed.k8s.harness import EmulatorProcess
+from testbed.k8s.kubelet import Kubelet
 from .kubelet_fixtures import kubelet, kubelet_factory  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)

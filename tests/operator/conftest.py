@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from tests.k8s.fixtures import k8s_emulator, k8s_emulator_factory  # noqa: F401
-from tests.k8s.harness import EmulatorProcess
-from tests.k8s.kubelet import Kubelet
+from testbed.k8s.harness import EmulatorProcess
+from testbed.k8s.kubelet import Kubelet
 from tests.k8s.kubelet_fixtures import kubelet_factory  # noqa: F401
-from tests.operator.cluster import CRD, PEERING_CRD, Cluster
+from testbed.cluster import CRD, PEERING_CRD, Cluster
 
 
 def lenient_crd(tmp_path: Path) -> Path:

@@ -17,8 +17,8 @@ import yaml
 from rollout_operator.alerts import AlertWebhook
 from rollout_operator.kube import KubeClient
 from rollout_operator.reconcile import ALERT_ANNOTATION
-from tests.k8s.harness import EmulatorProcess
-from tests.promstack import (  # noqa: F401  (fixtures)
+from testbed.k8s.harness import EmulatorProcess
+from testbed.promstack import (  # noqa: F401  (fixtures)
     Alertmanager,
     Prometheus,
     alertmanager_factory,

@@ -19,7 +19,7 @@ from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, evaluate
 from rollout_operator.providers.base import SampleContext
 from rollout_operator.providers.direct import DirectProvider, quantile
 from rollout_operator.spec import AnalysisSpec
-from tests.promstack import send, write_runtime_config
+from testbed.promstack import send, write_runtime_config
 from tests.runtime_server import RuntimeServer
 
 VERSIONS = ("v2", "v1", "v2-breaking")  # canary first, then stable (and a version that always fails)

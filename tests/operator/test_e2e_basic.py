@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from mnn_rollout.contract.routing import RoutingTable
-from tests.operator.cluster import Cluster, wait_for
+from testbed.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mnn_rollout.local.traffic import Traffic
-from tests.operator.cluster import Cluster, wait_for
+from testbed.cluster import Cluster, wait_for
 from tests.operator.test_e2e_rollout import canary, phase, start_stable
 
 pytestmark = pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.operator.cluster import MD_PATH, Cluster, wait_for
+from testbed.cluster import MD_PATH, Cluster, wait_for
 from tests.operator.test_e2e_basic import ready_cluster, served
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from mnn_rollout.local.traffic import Traffic
-from tests.operator.cluster import Cluster, wait_for
+from testbed.cluster import Cluster, wait_for
 from tests.operator.test_e2e_rollout import canary
-from tests.promstack import Alertmanager, Prometheus, alertmanager_factory, prometheus_factory  # noqa: F401
+from testbed.promstack import Alertmanager, Prometheus, alertmanager_factory, prometheus_factory  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mnn_rollout.local.traffic import Traffic
-from tests.operator.cluster import Cluster, wait_for
+from testbed.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

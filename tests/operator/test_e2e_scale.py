@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.cluster import MD_PATH, Cluster, wait_for
+from testbed.cluster import MD_PATH, Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 COUNT = 60  # past the 32 threads the old one-sync-daemon-per-object design starved at

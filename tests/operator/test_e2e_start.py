@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.k8s.fixtures import k8s_emulator_factory  # noqa: F401
-from tests.k8s.harness import EmulatorProcess
-from tests.operator.cluster import CRD, PEERING_CRD, OperatorProcess, wait_for
+from testbed.k8s.harness import EmulatorProcess
+from testbed.cluster import CRD, PEERING_CRD, OperatorProcess, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 PEERING = "apiVersion: kopf.dev/v1\nkind: KopfPeering\nmetadata: {name: mnn-rollout, namespace: default}\n"

@@ -19,7 +19,7 @@ import pytest
 from rollout_operator import runner
 from rollout_operator.children import HASH_ANNOTATION
 from rollout_operator.kube import APPLY_PATCH, ApiError, KubeClient, RateLimiter
-from tests.k8s.harness import EmulatorProcess
+from testbed.k8s.harness import EmulatorProcess
 
 pytestmark = pytest.mark.timeout(60)
 CM_PATH = "/api/v1/namespaces/default/configmaps"

@@ -27,7 +27,7 @@ from rollout_operator.providers.base import SampleContext
 from rollout_operator.providers.factory import ProviderFactory
 from rollout_operator.providers.prometheus import PrometheusProvider
 from rollout_operator.spec import AnalysisSpec, MetricSpec, ProviderSpec
-from tests.promstack import Prometheus, require_promstack, send, write_runtime_config
+from testbed.promstack import Prometheus, require_promstack, send, write_runtime_config
 from tests.runtime_server import RuntimeServer
 
 WINDOW_SECONDS = 120  # every test of the module runs well within it after the traffic

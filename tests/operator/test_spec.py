@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from rollout_operator.spec import SpecError, parse_duration, parse_spec
-from tests.k8s.schema import prune_and_default, validate
+from testbed.k8s.schema import prune_and_default, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "modeldeployment.yaml").read_text())

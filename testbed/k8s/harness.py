@@ -1,6 +1,6 @@
 """
 Run the emulator as a subprocess for tests: ``EmulatorProcess`` starts
-``python -m tests.k8s.emulator`` on 127.0.0.1 with a free port, waits for ``READY <url>``, writes a
+``python -m testbed.k8s.emulator`` on 127.0.0.1 with a free port, waits for ``READY <url>``, writes a
 kubeconfig, and offers small helpers (kubectl, a kubernetes client, raw HTTP, the request log).
 
     with EmulatorProcess(crds=['crds/modeldeployment.yaml']) as emu:
@@ -25,7 +25,7 @@ from typing import Any
 
 from .kubeconfig import write_kubeconfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the directory holding tests/
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: the directory holding testbed/
 HERE = pathlib.Path(__file__).resolve().parent
 WIDGET_CRD = HERE / 'manifests' / 'widget-crd.yaml'
 PEERING_CRD = HERE / 'peering-crd.yaml'
@@ -48,7 +48,7 @@ class EmulatorProcess:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> 'EmulatorProcess':
-        cmd = [sys.executable, '-m', 'tests.k8s.emulator', '--host', '127.0.0.1', '--port', '0']
+        cmd = [sys.executable, '-m', 'testbed.k8s.emulator', '--host', '127.0.0.1', '--port', '0']
         for crd in self.crds:
             cmd += ['--crd', crd]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))

@@ -15,12 +15,12 @@ import yaml
 
 from mnn_rollout.local import net
 from mnn_rollout.local.net import free_port
-from tests.k8s.harness import EmulatorProcess
-from tests.k8s.kubelet import Kubelet
+from testbed.k8s.harness import EmulatorProcess
+from testbed.k8s.kubelet import Kubelet
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "modeldeployment.yaml"
-PEERING_CRD = ROOT / "tests" / "k8s" / "peering-crd.yaml"
+PEERING_CRD = ROOT / "testbed" / "k8s" / "peering-crd.yaml"
 EXAMPLE_PREFIX = "file:///opt/mnn-rollout/examples/"
 MD_PATH = "/apis/mnnrollout.io/v1alpha1/namespaces/default/modeldeployments"
 

@@ -1,6 +1,6 @@
 """
 A Kubernetes API server emulator for tests: kopf, the kubernetes Python client and real kubectl
-work against it. Run it with ``python -m tests.k8s.emulator --host 127.0.0.1 --port 0 [--crd FILE]``;
+work against it. Run it with ``python -m testbed.k8s.emulator --host 127.0.0.1 --port 0 [--crd FILE]``;
 it prints ``READY <url>`` when serving.
 
 Built on kmock 0.8: :class:`Emulator` subclasses ``kmock.KubernetesEmulator`` and keeps kmock's
@@ -438,7 +438,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog='python -m tests.k8s.emulator', description=__doc__.split('\n')[1])
+    parser = argparse.ArgumentParser(prog='python -m testbed.k8s.emulator', description=__doc__.split('\n')[1])
     parser.add_argument('--host', default='127.0.0.1')
     parser.add_argument('--port', type=int, default=0, help='0 picks a free port')
     parser.add_argument('--crd', action='append', default=[], help='a CRD YAML file to register (repeatable)')
