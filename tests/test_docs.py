@@ -41,3 +41,18 @@ def test_every_module_is_on_the_architecture_page() -> None:
                if p.name != "__init__.py" and "grpc_v2" not in p.parts]
     unnamed = sorted(str(p.relative_to(ROOT)) for p in modules if p.resolve() not in named)
     assert unnamed == [], "name these in docs/ARCHITECTURE.md"
+
+
+def test_no_comment_or_doc_cites_a_file_outside_the_repository() -> None:
+    """The project's planning files (facts, design, style) are not in this repository: a comment or
+    document states the fact itself instead of citing them."""
+    outside = tuple(f"{name}.md" for name in ("FACTS", "DESIGN", "STYLE"))
+    found = []
+    for path in ROOT.rglob("*"):
+        if any(part.startswith(".") or part in ("build", "node_modules") for part in path.relative_to(ROOT).parts):
+            continue
+        if path.is_file() and path.suffix in (".py", ".md", ".yaml", ".tpl", ".toml", ".txt", "") and \
+                path.stat().st_size < 1_000_000:
+            text = path.read_text(errors="replace")
+            found += [f"{path.relative_to(ROOT)}: {name}" for name in outside if name in text]
+    assert found == []

@@ -33,6 +33,8 @@ class Ports(Protocol):
         """The runtime pods of ``target`` and what each has loaded."""
 
 
+REJECTED = "rejected: "  # a write_children result: the API refused the child as invalid
+
 # Kinds the cache holds: the runtime pods and every kind of child, selected by the owner label.
 SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding")
 
@@ -131,16 +133,23 @@ class ClusterPorts:
         return self.kube.get("ModelDeployment", namespace, name)
 
     def write_children(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
+        """Each child created, updated, unchanged, or ``rejected: <the API's message>`` when the API
+        refuses it as invalid (422): the others are still written."""
         written = {}
         for obj in objs:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             self.cache.rendered(obj)
-            if self.cache.child_hash(obj) == obj["metadata"]["annotations"][children.HASH_ANNOTATION]:
-                written[key] = "unchanged"  # the watch shows it as rendered: no request
-            elif self.cache.synced and not self.cache.has_child(obj):
-                written[key] = self._create(obj)
-            else:
-                written[key] = self.kube.ensure(obj)
+            try:
+                if self.cache.child_hash(obj) == obj["metadata"]["annotations"][children.HASH_ANNOTATION]:
+                    written[key] = "unchanged"  # the watch shows it as rendered: no request
+                elif self.cache.synced and not self.cache.has_child(obj):
+                    written[key] = self._create(obj)
+                else:
+                    written[key] = self.kube.ensure(obj)
+            except ApiError as exc:
+                if exc.status != 422:
+                    raise
+                written[key] = f"{REJECTED}{exc.message}"
         return written
 
     def _create(self, obj: dict[str, Any]) -> str:

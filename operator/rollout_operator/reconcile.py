@@ -23,10 +23,10 @@ from .analyzer import next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
-from .ports import Ports
+from .ports import REJECTED, Ports
 from .rollout import Event, World, decide, mark_invalid, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
-from .status import Phase, RolloutStatus
+from .status import Phase, RolloutStatus, condition, with_condition
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Reconciler:
                                          routed_versions(spec, new))
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         first = not (body.get("status") or {}).get("observedGeneration")
+        new = self._rejected(new, written, now)
         child_events = self._child_events(first, status, new, written)
         try:
             wrote = self._write_status(body, new)
@@ -170,8 +171,22 @@ class Reconciler:
         return Outcome(new, events, {}, wrote)
 
     @staticmethod
+    def _rejected(new: RolloutStatus, written: dict[str, str], now: float) -> RolloutStatus:
+        """Condition ChildRejected: the children the API refused as invalid, with its message."""
+        rejected = {k: v.removeprefix(REJECTED) for k, v in written.items() if v.startswith(REJECTED)}
+        if rejected:
+            message = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+            return with_condition(new, "ChildRejected", "True", "Invalid", message, now)
+        if condition(new, "ChildRejected") is None:
+            return new
+        return with_condition(new, "ChildRejected", "False", "Accepted", "every child was accepted", now)
+
+    @staticmethod
     def _child_events(first: bool, old: RolloutStatus, new: RolloutStatus, written: dict[str, str]) -> list[Event]:
         events = []
+        rejected = condition(new, "ChildRejected")
+        if rejected and rejected["status"] == "True" and rejected != condition(old, "ChildRejected"):
+            events.append(Event("Warning", "ChildRejected", str(rejected["message"])))
         created = [k for k, v in written.items() if v == "created"]
         if created:
             reason = "ChildrenCreated" if first else "ChildrenRecreated"

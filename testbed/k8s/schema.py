@@ -189,3 +189,25 @@ def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[
                 errors.append((f'{path}.{key}', 'Required value'))
     if len(errors) == start:  # like a real server: rules run only on otherwise valid values
         cel.check(schema.get('x-kubernetes-validations') or [], value, path, old, has_old, errors)
+
+
+# Built-in kinds whose writes are checked against the upstream OpenAPI schema, as an API server
+# does (unknown fields are dropped by a server, not refused: strict=False). Pods are left out: the
+# kubelet stand-in writes them often, and the operator never does.
+BUILTIN_VALIDATED = {'ConfigMap', 'Service', 'ServiceAccount', 'Deployment', 'Role', 'RoleBinding'}
+KUBERNETES_VERSION = '1.30'
+
+
+def validate_builtin(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field path, message) of the first schema violation of a built-in kind; empty when valid."""
+    if obj.get('kind') not in BUILTIN_VALIDATED:
+        return []
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=False)
+    except kubernetes_validate.ValidationError as e:
+        path = '.'.join(f'[{p}]' if isinstance(p, int) else str(p) for p in e.path).replace('.[', '[')
+        return [(path or '<root>', f'Invalid value: {e.message}')]
+    return []
+

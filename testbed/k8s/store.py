@@ -136,6 +136,8 @@ class Store(Lifecycle):
                 raise ApiError.bad_request(f'annotation {key!r} must be a string')
         if rd.custom:
             causes += schema.validate(obj, rd.schema, old)
+        else:
+            causes += schema.validate_builtin(obj)
         if causes:
             raise ApiError.invalid(rd.kind_group, name, causes)
 

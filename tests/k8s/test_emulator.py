@@ -219,7 +219,9 @@ def test_merge_patch_merges_dicts_and_null_deletes_keys(api, ns):
 
 def test_strategic_merge_patch_merges_containers_by_name_and_is_refused_for_custom_resources(api, ns):
     deploy = {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'metadata': {'name': 'd'},
-              'spec': {'template': {'spec': {'containers': [{'name': 'a', 'image': 'a:1'},
+              'spec': {'selector': {'matchLabels': {'app': 'd'}},
+                       'template': {'metadata': {'labels': {'app': 'd'}},
+                                    'spec': {'containers': [{'name': 'a', 'image': 'a:1'},
                                                             {'name': 'b', 'image': 'b:1'}]}}}}
     ok(api.request('POST', f'/apis/apps/v1/namespaces/{ns}/deployments', deploy), 201)
     patch = {'spec': {'template': {'spec': {'containers': [{'name': 'b', 'image': 'b:2'}]}}}}
@@ -256,6 +258,19 @@ def test_stale_resource_version_update_gets_409(api, ns):
 
 
 # --- status subresource --------------------------------------------------------------------------
+
+def test_a_built_in_kind_that_breaks_its_schema_is_refused_with_422_naming_the_field(api, ns):
+    deploy = {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'metadata': {'name': 'bad'},
+              'spec': {'selector': {'matchLabels': {'app': 'bad'}},
+                       'template': {'metadata': {'labels': {'app': 'bad'}},
+                                    'spec': {'containers': [{'name': 'a', 'image': 'a:1'}],
+                                             'volumes': [{'name': 'v', 'emptyDir': 'oops'}]}}}}
+    status, body = api.request('POST', f'/apis/apps/v1/namespaces/{ns}/deployments', deploy)
+    assert status == 422 and body['reason'] == 'Invalid'
+    assert body['details']['causes'][0]['field'] == 'spec.template.spec.volumes[0].emptyDir'
+    deploy['spec']['template']['spec']['volumes'][0]['emptyDir'] = {}
+    ok(api.request('POST', f'/apis/apps/v1/namespaces/{ns}/deployments', deploy), 201)
+
 
 def test_status_subresource_writes_change_only_the_status(api, ns):
     obj = ok(api.request('POST', WIDGETS.format(ns=ns), widget('st')), 201)

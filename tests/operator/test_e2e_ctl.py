@@ -37,8 +37,12 @@ def test_the_kubectl_plugin_steers_a_rollout_and_reports_it(cluster: Cluster) ->
         assert "✔ v2" in tree and "Ready" in tree
         assert "├─ pods (2)" in tree and tree.count("scorer-runtime-") == 2
         assert "scorer" in plugin(cluster, "list").stdout
-        plugin(cluster, "promote", "scorer")
+        promoted = plugin(cluster, "promote", "scorer")  # it waits for the operator's answer and prints it
+        assert "modeldeployment.mnnrollout.io/scorer promote: applied" in promoted.stdout
         wait_for(lambda: cluster.status()["canaryWeight"] == 40, 20, "promote -> step 2")
+        refused = plugin(cluster, "retry", "scorer", check=False)  # nothing to retry while it progresses
+        assert refused.returncode == 1 and "retry: ignored: nothing to retry" in refused.stderr
+        assert "ActionIgnored" in cluster.event_reasons() and cluster.status()["canaryWeight"] == 40
         plugin(cluster, "pause", "scorer")
         wait_for(lambda: cluster.md()["spec"]["paused"] is True and "paused" in cluster.status()["message"], 20,
                  "paused")

@@ -129,13 +129,21 @@ def test_an_operator_restarted_mid_rollout_resumes_at_the_same_step(cluster: Clu
                  "waiting for promote at step 1")
         before = cluster.status()
         cluster.operators[0].kill(signal.SIGKILL)
-        cluster.start_operator()
-        time.sleep(4)
+        new = cluster.start_operator()  # it may wait for the dead replica's peering keep-alive to expire
+
+        def reconciled() -> bool:  # the new replica has looked at the object
+            return any(line.startswith('mnn_rollout_reconciles_total{outcome="ok"}') and
+                       float(line.rsplit(" ", 1)[1]) > 0 for line in new.metrics().splitlines())
+
+        wait_for(reconciled, 60, "the new replica reconciles")
         st = cluster.status()
         assert (st["phase"], st["currentStep"], st["weights"]) == (before["phase"], before["currentStep"],
                                                                   before["weights"])
         assert cluster.configmap_weights() == {"v1": 70, "v2": 30}
         assert cluster.event_reasons().count("RolloutStarted") == 1
+        # and it drives the rollout on from there
+        annotate(cluster, "promote")
+        wait_for(lambda: cluster.status()["canaryWeight"] == 60, 20, "promote -> step 2 by the new replica")
 
 
 def annotate(cluster: Cluster, action: str) -> None:
@@ -158,9 +166,9 @@ def test_manual_promote_abort_retry_pause_and_resume(cluster: Cluster) -> None:
         wait_for(lambda: phase(cluster) == "Paused" and cluster.status()["canaryWeight"] == 10, 20, "retry -> step 1")
         cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"paused":true}}')
         wait_for(lambda: "paused by spec.paused" in cluster.status()["message"], 20, "paused")
-        annotate(cluster, "promote")
-        time.sleep(2)
-        assert cluster.status()["canaryWeight"] == 10  # paused: promote waits
+        annotate(cluster, "promote")  # paused: refused with the reason, the weight stays
+        wait_for(lambda: "spec.paused is true" in (cluster.status().get("actionResult") or ""), 20, "promote ignored")
+        assert cluster.status()["canaryWeight"] == 10 and "ActionIgnored" in cluster.event_reasons()
         cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"paused":false}}')
         annotate(cluster, "promote-full")
         wait_for(lambda: phase(cluster) in ("Promoting", "Succeeded"), 20, "promote-full")
