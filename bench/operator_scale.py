@@ -236,6 +236,8 @@ def run(n: int, in_flight: int, idle_window: float, models: Path, workdir: Path,
             time.sleep(max(0.0, 30 - (time.monotonic() - t0)))
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
             p99, count = histogram_p99(text, "mnn_rollout_analysis_lateness_seconds")
+            result["lateness_buckets"] = [line.split("{", 1)[1] for line in text.splitlines()
+                                          if line.startswith("mnn_rollout_analysis_lateness_seconds_bucket")]
             span = time.monotonic() - t0
             result.update(lateness_p99=p99, analyses=count - before, busy_change_p50=pct(lat, 50),
                           busy_change_p99=pct(lat, 99), busy_cpu=(cpu_seconds(operator.pid) - cpu0) / span,

@@ -7,6 +7,7 @@ reconcile.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,12 +108,27 @@ def pod_views(pods: list[dict[str, Any]], port: int) -> list[PodView]:
     return views
 
 
+_pods_http: httpx.Client | None = None
+_pods_http_lock = threading.Lock()
+
+
+def pods_http() -> httpx.Client:
+    """One HTTP client (one connection pool) for every request to runtime pods: a client per
+    request built a TLS context each time, which profiled at three quarters of the operator's CPU
+    with 50 rollouts in flight."""
+    global _pods_http
+    with _pods_http_lock:
+        if _pods_http is None:
+            _pods_http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+        return _pods_http
+
+
 def scrape(views: list[PodView], model: str, timeout: float = 1.0) -> Observation:
     def one(view: PodView) -> PodView:
         if not view.ip:
             return view
         try:
-            resp = httpx.get(f"{view.url}/v2/models/{model}/status", timeout=timeout)
+            resp = pods_http().get(f"{view.url}/v2/models/{model}/status", timeout=timeout)
             resp.raise_for_status()
             return PodView(view.name, view.ip, view.port, view.ready, resp.json())
         except (httpx.HTTPError, ValueError) as exc:

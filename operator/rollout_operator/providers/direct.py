@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..observe import pods_http
 from ..spec import MetricSpec
 from ..verdicts import Sample
 from .base import QUANTILES, SampleContext
@@ -89,7 +90,7 @@ def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
 
 class DirectProvider:
     def __init__(self, fetch: Callable[[str], str] | None = None, timeout: float = 2.0) -> None:
-        self._fetch = fetch or (lambda url: httpx.get(url + "/metrics", timeout=timeout).text)
+        self._fetch = fetch or (lambda url: pods_http().get(url + "/metrics", timeout=timeout).text)
         self._previous: dict[str, tuple[float, Snapshot]] = {}
         self._lock = threading.Lock()
 

@@ -35,6 +35,7 @@ class PrometheusProvider:
         self.address = address.rstrip("/")
         self.timeout = timeout
         self.headers = dict(headers or {})
+        self.http = httpx.Client(timeout=timeout, headers=self.headers)  # one pool, not a client per query
 
     def query(self, promql: str, at: float | None = None) -> float | None:
         """The value of an instant query with one series at time ``at``; None when it returns nothing."""
@@ -42,8 +43,7 @@ class PrometheusProvider:
         if at is not None:
             params["time"] = f"{at:.3f}"
         try:
-            resp = httpx.get(f"{self.address}/api/v1/query", params=params, timeout=self.timeout,
-                             headers=self.headers)
+            resp = self.http.get(f"{self.address}/api/v1/query", params=params)
         except httpx.HTTPError as exc:
             raise PrometheusError(f"{self.address} unreachable: {exc or type(exc).__name__}") from None
         try:
@@ -60,7 +60,7 @@ class PrometheusProvider:
 
     def is_online(self) -> bool:
         try:
-            return httpx.get(f"{self.address}/-/ready", timeout=self.timeout, headers=self.headers).status_code == 200
+            return self.http.get(f"{self.address}/-/ready").status_code == 200
         except httpx.HTTPError:
             return False
 
