@@ -23,7 +23,7 @@ from typing import Any
 from .analyzer import next_due
 from .kube import ApiError
 from .ports import WatchCache
-from .reconcile import Reconciler
+from .reconcile import ACTION_ANNOTATION, ALERT_ANNOTATION, Reconciler
 from .rollout import Event
 from .spec import ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus
@@ -36,10 +36,12 @@ TIMED = (Phase.PROGRESSING, Phase.PROMOTING)
 
 
 def md_signature(body: dict[str, Any]) -> tuple[Any, ...]:
-    """What of a ModelDeployment, when it changes, calls for a reconcile (not its status)."""
+    """What of a ModelDeployment, when it changes, calls for a reconcile: its spec (generation),
+    the action and alert annotations, deletion. Not its status, nor kopf's own bookkeeping."""
     meta = body.get("metadata") or {}
-    return (meta.get("uid"), meta.get("generation"), tuple(sorted((meta.get("annotations") or {}).items())),
-            bool(meta.get("deletionTimestamp")))
+    annotations = meta.get("annotations") or {}
+    return (meta.get("uid"), meta.get("generation"), annotations.get(ACTION_ANNOTATION),
+            annotations.get(ALERT_ANNOTATION), bool(meta.get("deletionTimestamp")))
 
 
 def pod_signature(body: dict[str, Any]) -> tuple[Any, ...]:
