@@ -82,6 +82,11 @@ def _meta(target: Target, name: str, extra_annotations: Mapping[str, str] | None
     return meta
 
 
+def spec_hash(obj: Mapping[str, Any]) -> str | None:
+    """The spec-hash annotation of a child (None when it has none)."""
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
+
+
 def stamped(obj: dict[str, Any]) -> dict[str, Any]:
     """Add the spec-hash annotation computed over everything else."""
     h = digest(obj)

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .children import OWNER_LABEL
@@ -34,17 +35,16 @@ def act(kube: KubeClient, namespace: str, name: str, action: str, wait: float = 
     _get(kube, namespace, name)
     token = f"{action}:{time.time():.3f}"
     kube.patch("ModelDeployment", namespace, name, {"metadata": {"annotations": {ACTION_ANNOTATION: token}}})
-    deadline = time.monotonic() + wait
-    while True:
-        st = _get(kube, namespace, name).get("status") or {}
+
+    def answer(st: dict[str, Any]) -> tuple[int, str] | None:
         if st.get("lastAction") == token:
             result = str(st.get("actionResult") or "applied")
             return (1 if result.startswith("ignored") else 0), result
         if str(st.get("pendingAction") or "").startswith(token + ": "):
             return 0, "pending: " + str(st["pendingAction"]).split(": ", 1)[1]
-        if time.monotonic() >= deadline:
-            return 2, f"requested; the operator has not answered within {wait:g} s"
-        time.sleep(0.25)
+        return None
+
+    return _await_answer(kube, namespace, name, answer, wait)
 
 
 def set_paused(kube: KubeClient, namespace: str, name: str, paused: bool, wait: float = 20.0) -> tuple[int, str]:
@@ -52,11 +52,23 @@ def set_paused(kube: KubeClient, namespace: str, name: str, paused: bool, wait: 
     _get(kube, namespace, name)
     patched = kube.patch("ModelDeployment", namespace, name, {"spec": {"paused": paused}})
     generation = patched["metadata"].get("generation")
-    deadline = time.monotonic() + wait
-    while True:
-        st = _get(kube, namespace, name).get("status") or {}
+
+    def answer(st: dict[str, Any]) -> tuple[int, str] | None:
         if generation is not None and (st.get("observedGeneration") or 0) >= generation:
             return 0, f"applied (phase {st.get('phase', '?')})"
+        return None
+
+    return _await_answer(kube, namespace, name, answer, wait)
+
+
+def _await_answer(kube: KubeClient, namespace: str, name: str,
+                  answer: Callable[[dict[str, Any]], tuple[int, str] | None], wait: float) -> tuple[int, str]:
+    """Poll the object's status until ``answer`` gives (exit code, outcome), at most ``wait`` s."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = answer(_get(kube, namespace, name).get("status") or {})
+        if found is not None:
+            return found
         if time.monotonic() >= deadline:
             return 2, f"requested; the operator has not answered within {wait:g} s"
         time.sleep(0.25)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .children import HASH_ANNOTATION
+from .children import spec_hash
 
 log = logging.getLogger(__name__)
 
@@ -363,8 +363,7 @@ class KubeClient:
                 if live is None:
                     self.create(obj)
                     return "created"
-                annotations = live.get("metadata", {}).get("annotations") or {}
-                if annotations.get(HASH_ANNOTATION) == meta["annotations"][HASH_ANNOTATION]:
+                if spec_hash(live) == spec_hash(obj):
                     return "created" if maybe_ours else "unchanged"
                 desired = _merge_for_replace(live, obj)
                 self.replace(desired)

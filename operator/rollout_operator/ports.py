@@ -83,15 +83,19 @@ class WatchCache:
 
     def has_child(self, obj: dict[str, Any]) -> bool:
         with self._lock:
-            return (*self._key(obj), str(obj.get("kind"))) in self._children
+            return self._child_key(obj) in self._children
 
     @staticmethod
     def _key(body: dict[str, Any]) -> tuple[str, str]:
         meta = body.get("metadata") or {}
         return meta.get("namespace", ""), meta.get("name", "")
 
+    @classmethod
+    def _child_key(cls, body: dict[str, Any]) -> tuple[str, str, str]:
+        return (*cls._key(body), str(body.get("kind")))
+
     def put_child(self, body: dict[str, Any], deleted: bool = False) -> None:
-        key = (*self._key(body), str(body.get("kind")))
+        key = self._child_key(body)
         with self._lock:
             if deleted:
                 self._children.pop(key, None)
@@ -101,23 +105,19 @@ class WatchCache:
     def rendered(self, obj: dict[str, Any]) -> None:
         """Remember the spec-hash last rendered for the child ``obj`` names."""
         with self._lock:
-            self._rendered[(*self._key(obj), str(obj.get("kind")))] = \
-                obj["metadata"]["annotations"][children.HASH_ANNOTATION]
+            self._rendered[self._child_key(obj)] = children.spec_hash(obj) or ""
 
     def differs(self, live: dict[str, Any]) -> bool:
         """Whether a watched child is not what the operator last rendered for it (or unknown)."""
-        key = (*self._key(live), str(live.get("kind")))
         with self._lock:
-            want = self._rendered.get(key)
-        have = ((live.get("metadata") or {}).get("annotations") or {}).get(children.HASH_ANNOTATION)
-        return want is None or want != have
+            want = self._rendered.get(self._child_key(live))
+        return want is None or want != children.spec_hash(live)
 
     def child_hash(self, obj: dict[str, Any]) -> str | None:
         """The spec-hash annotation of the watched child ``obj`` names (None: not seen)."""
         with self._lock:
-            live = self._children.get((*self._key(obj), str(obj.get("kind"))))
-        return None if live is None else ((live.get("metadata") or {}).get("annotations") or {}).get(
-            children.HASH_ANNOTATION)
+            live = self._children.get(self._child_key(obj))
+        return None if live is None else children.spec_hash(live)
 
 
 class ClusterPorts:
@@ -140,7 +140,7 @@ class ClusterPorts:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             self.cache.rendered(obj)
             try:
-                if self.cache.child_hash(obj) == obj["metadata"]["annotations"][children.HASH_ANNOTATION]:
+                if self.cache.child_hash(obj) == children.spec_hash(obj):
                     written[key] = "unchanged"  # the watch shows it as rendered: no request
                 elif self.cache.synced and not self.cache.has_child(obj):
                     written[key] = self._create(obj)

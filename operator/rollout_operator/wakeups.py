@@ -111,14 +111,8 @@ class WakeUps:
         pod = (meta.get("namespace", ""), meta.get("name", ""))
         if self.cache is not None:
             self.cache.put_pod(body, deleted=event_type == "DELETED")
-        signature = None if event_type == "DELETED" else pod_signature(body)
-        if self._pods.get(pod) == signature:
-            return
-        if signature is None:
-            self._pods.pop(pod, None)
-        else:
-            self._pods[pod] = signature
-        self.wake((pod[0], owner))
+        if _changed(self._pods, pod, None if event_type == "DELETED" else pod_signature(body)):
+            self.wake((pod[0], owner))
 
     def on_child(self, event_type: str | None, body: dict[str, Any], owner: str) -> None:
         """A child changed: wake its owner when it was deleted or is not what the owner last
@@ -131,14 +125,8 @@ class WakeUps:
             if not deleted and not self.cache.differs(body):
                 self._children[child] = child_signature(body)
                 return
-        signature = None if deleted else child_signature(body)
-        if self._children.get(child) == signature:
-            return
-        if signature is None:
-            self._children.pop(child, None)
-        else:
-            self._children[child] = signature
-        self.wake((child[0], owner))
+        if _changed(self._children, child, None if deleted else child_signature(body)):
+            self.wake((child[0], owner))
 
     async def run(self, namespace: str, name: str, stopped: Any) -> None:
         """The object's loop: reconcile, then sleep until woken, due, or stopped."""
@@ -196,6 +184,17 @@ class WakeUps:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _changed(seen: dict[Any, tuple[Any, ...]], key: Any, signature: tuple[Any, ...] | None) -> bool:
+    """Record ``key``'s signature (None: it is gone); whether it differs from the one seen before."""
+    if seen.get(key) == signature:
+        return False
+    if signature is None:
+        seen.pop(key, None)
+    else:
+        seen[key] = signature
+    return True
 
 
 async def _stopped(stopped: Any) -> None:

@@ -207,6 +207,16 @@ class Store(Lifecycle):
         self._after_write(rd, obj, None)
         return self.render(rd, obj)
 
+    @staticmethod
+    def _check_url_identity(rd: ResourceDef, meta: dict[str, Any], namespace: str | None, name: str) -> None:
+        """The body's name and namespace, when given, are the ones on the URL (as a server checks)."""
+        if meta.get('name') and meta['name'] != name:
+            raise ApiError.bad_request(f'the name of the object ({meta["name"]}) does not match the name on the'
+                                       f' URL ({name})')
+        if rd.namespaced and meta.get('namespace') and meta['namespace'] != namespace:
+            raise ApiError.bad_request('the namespace of the provided object does not match the namespace sent'
+                                       ' on the request')
+
     def _check_type(self, rd: ResourceDef, obj: dict[str, Any]) -> None:
         if obj.get('apiVersion') and obj['apiVersion'] != rd.api_version:
             raise ApiError.bad_request(f'the API version in the data ({obj["apiVersion"]}) does not match the'
@@ -279,12 +289,7 @@ class Store(Lifecycle):
         old = self.find(rd, namespace, name)
         self._check_type(rd, body)
         meta = body.get('metadata') or {}
-        if meta.get('name') and meta['name'] != name:
-            raise ApiError.bad_request(f'the name of the object ({meta["name"]}) does not match the name on the'
-                                       f' URL ({name})')
-        if rd.namespaced and meta.get('namespace') and meta['namespace'] != namespace:
-            raise ApiError.bad_request('the namespace of the provided object does not match the namespace sent'
-                                       ' on the request')
+        self._check_url_identity(rd, meta, namespace, name)
         if rd.custom and not meta.get('resourceVersion'):  # custom resources allow no unconditional PUT
             raise ApiError.invalid(rd.kind_group, name, [('metadata.resourceVersion',
                                                           'Invalid value: 0x0: must be specified for an update')])
@@ -404,12 +409,7 @@ class Store(Lifecycle):
         meta = body.get('metadata')
         if not isinstance(meta, dict):
             raise ApiError.bad_request('metadata must be an object')
-        if meta.get('name') and meta['name'] != name:
-            raise ApiError.bad_request(f'the name of the object ({meta["name"]}) does not match the name on the'
-                                       f' URL ({name})')
-        if rd.namespaced and meta.get('namespace') and meta['namespace'] != namespace:
-            raise ApiError.bad_request('the namespace of the provided object does not match the namespace sent'
-                                       ' on the request')
+        self._check_url_identity(rd, meta, namespace, name)
         applied = _without_nulls(body)
         scope = self._scope(rd, subresource)
         if scope == 'main':

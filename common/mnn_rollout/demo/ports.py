@@ -61,7 +61,7 @@ class LocalPorts:
         for obj in objs:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             old = self.children.get(key)
-            if old is not None and _hash(old) == _hash(obj):
+            if old is not None and children.spec_hash(old) == children.spec_hash(obj):
                 written[key] = "unchanged"
                 continue
             written[key] = "created" if old is None else "updated"
@@ -86,10 +86,6 @@ class LocalPorts:
         obs = scrape([PodView("local", u.hostname, int(u.port or 80), ready=True)], model)
         # The pod's Ready condition would be the runtime's /v2/health/ready: the same flag as /status.
         return Observation([replace(p, ready=bool((p.status or {}).get("ready"))) for p in obs.pods])
-
-
-def _hash(obj: dict[str, Any]) -> str | None:
-    return ((obj.get("metadata") or {}).get("annotations") or {}).get(children.HASH_ANNOTATION)
 
 
 @dataclass(frozen=True)
