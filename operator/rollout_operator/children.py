@@ -87,6 +87,76 @@ def spec_hash(obj: Mapping[str, Any]) -> str | None:
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
 
 
+def drift(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
+    """The fields of a rendered child whose live value differs from what was rendered, as paths
+    (``spec.replicas``, ``data[runtime.yaml].weights.v2``, ``metadata.labels[app]``). Only what the
+    operator renders counts: fields the server defaults or others add are not drift. Quantities
+    compare by value (the API server writes ``0.5`` back as ``500m``); the routing config's YAML
+    compares as data, so its edited keys are named."""
+    out: list[str] = []
+    for key, want in desired.items():
+        if key in ("apiVersion", "kind", "status"):
+            continue
+        if key == "metadata":
+            meta = live.get("metadata") or {}
+            for part in ("labels", "annotations"):
+                _diff(meta.get(part), want.get(part) or {}, f"metadata.{part}", out)
+            continue
+        _diff(live.get(key), want, key, out)
+    return out
+
+
+def _diff(live: Any, want: Any, path: str, out: list[str]) -> None:
+    if isinstance(want, Mapping):
+        if not isinstance(live, Mapping):
+            out.append(path)
+            return
+        for key, value in want.items():
+            sub = f"{path}.{key}" if _plain(key) else f"{path}[{key}]"
+            _diff(live.get(key), value, sub, out)
+    elif isinstance(want, list):
+        if not isinstance(live, list) or len(live) != len(want):
+            out.append(path)
+            return
+        for n, (have, value) in enumerate(zip(live, want)):
+            _diff(have, value, f"{path}[{n}]", out)
+    elif isinstance(want, str) and isinstance(live, str) and want != live and "\n" in want:
+        parsed = _yaml_maps(live, want)  # the routing config: name the keys that differ
+        if parsed is None:
+            out.append(path)
+        else:
+            _diff(parsed[0], parsed[1], path, out)
+    elif not _same_scalar(live, want, path):
+        out.append(path)
+
+
+def _plain(key: str) -> bool:
+    return key.replace("_", "").replace("-", "").isalnum()
+
+
+def _yaml_maps(live: str, want: str) -> tuple[Any, Any] | None:
+    import yaml
+
+    try:
+        a, b = yaml.safe_load(live), yaml.safe_load(want)
+    except yaml.YAMLError:
+        return None
+    return (a, b) if isinstance(a, dict) and isinstance(b, dict) else None
+
+
+def _same_scalar(live: Any, want: Any, path: str) -> bool:
+    if live == want and type(live) is type(want):
+        return True
+    if ".resources." in f".{path}.":
+        from kubernetes.utils.quantity import parse_quantity
+
+        try:
+            return bool(parse_quantity(live) == parse_quantity(want))
+        except (TypeError, ValueError):
+            return False
+    return False
+
+
 def stamped(obj: dict[str, Any]) -> dict[str, Any]:
     """Add the spec-hash annotation computed over everything else."""
     h = digest(obj)

@@ -12,8 +12,8 @@ makes (which keeps the RBAC it needs derivable from the code, see tests/helm/rba
   500/502/503/504 and on connection errors, for a bounded number of attempts. A request the server
   may have acted on before failing (a 5xx, a connection lost after sending) is repeated only when
   repeating it is harmless: every verb but a POST without a name. A PUT carries its
-  resourceVersion and a named POST its name, so a repeat after a lost success answers 409, which
-  :meth:`KubeClient.ensure` resolves by reading again;
+  resourceVersion and a named POST its name, so a repeat after a lost success answers 409; a
+  server-side apply (how the operator writes its children) is idempotent;
 * a client-side rate limit shared by every thread using the client (a token bucket: ``burst``
   requests at once, ``qps`` per second sustained; client-go's defaults for controllers are 20/30);
 * server-side apply (:meth:`KubeClient.apply`);
@@ -32,10 +32,9 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-from .children import spec_hash
 
 log = logging.getLogger(__name__)
 
@@ -344,56 +343,3 @@ class KubeClient:
         secret = self.get("Secret", namespace, name)
         raw = ((secret or {}).get("data") or {}).get(key)
         return base64.b64decode(raw).decode().strip() if raw else None
-
-    # -- reconcile helpers ---------------------------------------------------------------------
-
-    def ensure(self, obj: dict[str, Any], attempts: int = 5) -> str:
-        """Create ``obj`` or bring the live object to it; no write when its spec-hash matches.
-
-        Returns "created", "updated" or "unchanged". A 409 (someone else wrote in between) is
-        retried on a fresh read. A 409 AlreadyExists answering a create whose earlier attempt the
-        server may have carried out (a 5xx, a lost connection) is our own object when the fresh
-        read shows our spec-hash: "created".
-        """
-        meta = obj["metadata"]
-        maybe_ours = False
-        for attempt in range(attempts):
-            live = self.get(obj["kind"], meta["namespace"], meta["name"])
-            try:
-                if live is None:
-                    self.create(obj)
-                    return "created"
-                if spec_hash(live) == spec_hash(obj):
-                    return "created" if maybe_ours else "unchanged"
-                desired = _merge_for_replace(live, obj)
-                self.replace(desired)
-                return "updated"
-            except ApiError as exc:
-                if exc.status == 409 and attempt < attempts - 1:
-                    maybe_ours = live is None and exc.reason == "AlreadyExists" and exc.ambiguous
-                    time.sleep(0.05 * (attempt + 1))
-                    continue
-                raise
-        raise AssertionError("unreachable")
-
-    def ensure_all(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
-        return {f"{o['kind']}/{o['metadata']['name']}": self.ensure(o) for o in objs}
-
-
-def _merge_for_replace(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
-    """The desired object carrying the live identity (resourceVersion, uid, owners, others'
-    labels/annotations), so a PUT replaces our fields and keeps everyone else's."""
-    out = dict(desired)
-    lm, dm = live.get("metadata", {}), desired["metadata"]
-    meta = dict(dm)
-    meta["resourceVersion"] = lm.get("resourceVersion")
-    for key in ("uid", "creationTimestamp", "finalizers"):
-        if key in lm:
-            meta[key] = lm[key]
-    meta["ownerReferences"] = dm.get("ownerReferences") or lm.get("ownerReferences", [])
-    meta["labels"] = {**(lm.get("labels") or {}), **(dm.get("labels") or {})}
-    meta["annotations"] = {**(lm.get("annotations") or {}), **(dm.get("annotations") or {})}
-    out["metadata"] = meta
-    if desired["kind"] == "Service" and "clusterIP" in live.get("spec", {}):
-        out["spec"] = {**desired["spec"], "clusterIP": live["spec"]["clusterIP"]}
-    return out

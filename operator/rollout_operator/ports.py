@@ -24,7 +24,8 @@ class Ports(Protocol):
         """The live ModelDeployment, or None when it is gone."""
 
     def write_children(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
-        """Create or update each rendered child; ``Kind/name`` -> created, updated or unchanged."""
+        """Each child created, updated, unchanged, ``repaired: <fields>`` or ``rejected: <message>``
+        (see ``ClusterPorts.write_children``)."""
 
     def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         """Replace the whole status of ``body`` (decided from its resourceVersion)."""
@@ -34,6 +35,22 @@ class Ports(Protocol):
 
 
 REJECTED = "rejected: "  # a write_children result: the API refused the child as invalid
+REPAIRED = "repaired: "  # a write_children result: fields edited by hand were put back
+
+
+def _older(body: dict[str, Any], held: dict[str, Any] | None) -> bool:
+    """Whether ``body`` is an older version of the same object than ``held`` (resourceVersions
+    compare as numbers where both are; the API promises no order, etcd-backed servers give one)."""
+    if held is None:
+        return False
+    new, old = (o.get("metadata") or {} for o in (body, held))
+    if new.get("uid") != old.get("uid"):
+        return False
+    try:
+        return int(str(new.get("resourceVersion"))) < int(str(old.get("resourceVersion")))
+    except (TypeError, ValueError):
+        return False
+
 
 # Kinds the cache holds: the runtime pods and every kind of child, selected by the owner label.
 SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding")
@@ -42,15 +59,16 @@ SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "
 class WatchCache:
     """The runtime pods and children the operator's watches delivered (an informer cache), so
     that a reconcile lists no pods and reads no child whose rendering did not change. Filled by
-    one list per kind at start (``sync``), then kept current by the watches. Until it is synced
-    every read goes to the API; a child the cache holds with another hash, or none, is written
-    through ``KubeClient.ensure``, which reads it first (a stale entry costs a 409 and a retry)."""
+    one list per kind at start (``sync``), then kept current by the watches and by the answers to
+    the operator's own writes. Until it is synced, every child is read from the API. A child
+    whose spec-hash or rendered fields differ from the rendering is applied (server-side apply
+    needs no read and meets no conflict, so a stale entry costs one needless apply at most)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.synced = False
         self._children: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self._rendered: dict[tuple[str, str, str], str] = {}
+        self._rendered: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._pods: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (namespace, owner) -> name -> pod
 
     def sync(self, kube: KubeClient, namespaces: list[str] | None) -> None:
@@ -95,29 +113,32 @@ class WatchCache:
         return (*cls._key(body), str(body.get("kind")))
 
     def put_child(self, body: dict[str, Any], deleted: bool = False) -> None:
+        """Record a child from the watch or from the answer to a write; an older version than the
+        one held (a watch event that arrives after the write's own answer) is ignored."""
         key = self._child_key(body)
         with self._lock:
             if deleted:
                 self._children.pop(key, None)
-            else:
+            elif not _older(body, self._children.get(key)):
                 self._children[key] = body
 
     def rendered(self, obj: dict[str, Any]) -> None:
-        """Remember the spec-hash last rendered for the child ``obj`` names."""
+        """Remember what was last rendered for the child ``obj`` names."""
         with self._lock:
-            self._rendered[self._child_key(obj)] = children.spec_hash(obj) or ""
+            self._rendered[self._child_key(obj)] = obj
 
     def differs(self, live: dict[str, Any]) -> bool:
-        """Whether a watched child is not what the operator last rendered for it (or unknown)."""
+        """Whether a watched child is not what the operator last rendered for it (another
+        spec-hash, a field edited by hand), or was never rendered by this replica."""
         with self._lock:
             want = self._rendered.get(self._child_key(live))
-        return want is None or want != children.spec_hash(live)
+        return want is None or children.spec_hash(want) != children.spec_hash(live) \
+            or bool(children.drift(live, want))
 
-    def child_hash(self, obj: dict[str, Any]) -> str | None:
-        """The spec-hash annotation of the watched child ``obj`` names (None: not seen)."""
+    def live(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The watched child ``obj`` names (None: not seen)."""
         with self._lock:
-            live = self._children.get(self._child_key(obj))
-        return None if live is None else children.spec_hash(live)
+            return self._children.get(self._child_key(obj))
 
 
 class ClusterPorts:
@@ -133,34 +154,37 @@ class ClusterPorts:
         return self.kube.get("ModelDeployment", namespace, name)
 
     def write_children(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
-        """Each child created, updated, unchanged, or ``rejected: <the API's message>`` when the API
-        refuses it as invalid (422): the others are still written."""
+        """Each child ``created``, ``updated``, ``unchanged``, ``repaired: <fields>`` (edited by
+        hand, put back), or ``rejected: <the API's message>`` when the API refuses it as invalid
+        (422): the others are still written. Writes are server-side applies under the operator's
+        field manager, forced: the fields it renders are its own, whoever edited them since; a
+        child the watch shows as rendered costs no request."""
         written = {}
         for obj in objs:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             self.cache.rendered(obj)
+            meta = obj["metadata"]
+            live = self.cache.live(obj) if self.cache.synced else \
+                self.kube.get(obj["kind"], meta["namespace"], meta["name"])
+            same_hash = live is not None and children.spec_hash(live) == children.spec_hash(obj)
+            edited = children.drift(live, obj) if live is not None and same_hash else []
+            if same_hash and not edited:
+                written[key] = "unchanged"  # as rendered: no request
+                continue
             try:
-                if self.cache.child_hash(obj) == children.spec_hash(obj):
-                    written[key] = "unchanged"  # the watch shows it as rendered: no request
-                elif self.cache.synced and not self.cache.has_child(obj):
-                    written[key] = self._create(obj)
-                else:
-                    written[key] = self.kube.ensure(obj)
+                result = self.kube.apply(obj)
             except ApiError as exc:
                 if exc.status != 422:
                     raise
                 written[key] = f"{REJECTED}{exc.message}"
+                continue
+            result.setdefault("kind", obj["kind"])
+            self.cache.put_child(result)  # written through: the next reconcile sees it before the watch does
+            if edited:
+                written[key] = f"{REPAIRED}{', '.join(edited)}"
+            else:
+                written[key] = "created" if live is None else "updated"
         return written
-
-    def _create(self, obj: dict[str, Any]) -> str:
-        """A child the synced cache has never seen: create it without reading it first."""
-        try:
-            self.kube.create(obj)
-            return "created"
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            return self.kube.ensure(obj)  # it exists after all (the watch had not told yet)
 
     def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         # PUT, not a merge patch: a merge patch would keep map keys (weights) that were removed;

@@ -23,7 +23,7 @@ from .analyzer import next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
-from .ports import REJECTED, Ports
+from .ports import REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus, condition, with_condition
@@ -187,6 +187,10 @@ class Reconciler:
         rejected = condition(new, "ChildRejected")
         if rejected and rejected["status"] == "True" and rejected != condition(old, "ChildRejected"):
             events.append(Event("Warning", "ChildRejected", str(rejected["message"])))
+        repaired = {k: v.removeprefix(REPAIRED) for k, v in written.items() if v.startswith(REPAIRED)}
+        if repaired:
+            events.append(Event("Warning", "DriftRepaired", "put back fields edited by hand: " + "; ".join(
+                f"{k} {v}" for k, v in repaired.items())))
         created = [k for k, v in written.items() if v == "created"]
         if created:
             reason = "ChildrenCreated" if first else "ChildrenRecreated"

@@ -26,13 +26,14 @@ from .ports import WatchCache
 from .reconcile import ACTION_ANNOTATION, ALERT_ANNOTATION, Reconciler
 from .rollout import Event
 from .spec import ModelDeploymentSpec, SpecError, parse_spec
-from .status import Phase, RolloutStatus
+from .status import Phase, RolloutStatus, condition
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (namespace, name)
 
 # Phases whose next step depends on time or on state only the pods' HTTP endpoints show.
 TIMED = (Phase.PROGRESSING, Phase.PROMOTING)
+REJECTED_RETRY_SECONDS = 10.0  # a child the API refused is tried again this often (a policy may change)
 
 
 def md_signature(body: dict[str, Any]) -> tuple[Any, ...]:
@@ -69,9 +70,10 @@ def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resyn
     loading = pods > 0 and any(not v.get("ready") for v in status.versions)
     if status.phase == Phase.PROMOTING and status.promoted_at is not None:
         due = status.promoted_at + spec.strategy.scale_down_delay_seconds
-    if not (polling or loading):
+    rejected = (condition(status, "ChildRejected") or {}).get("status") == "True"
+    if not (polling or loading or rejected):
         return None
-    wait = resync
+    wait = resync if (polling or loading) else max(resync, REJECTED_RETRY_SECONDS)
     if due is not None:
         wait = min(wait, due - now)
     return max(0.0, wait)

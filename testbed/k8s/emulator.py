@@ -110,6 +110,7 @@ class Emulator(kmock.KubernetesEmulator):
     registry: Registry = attrs.field(init=False)
     store: Store = attrs.field(init=False)
     faults: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # see POST /_emulator/faults
+    _codes: dict[int, int] = attrs.field(factory=dict, init=False)  # request id -> the status answered
     server_address: str = '127.0.0.1:6443'
 
     def __attrs_post_init__(self) -> None:
@@ -140,12 +141,17 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         body = await raw.read()
+        request = None
         try:
             request = self._parse_request(raw, body)
             if not raw.path.startswith('/_emulator/'):
                 self._requests.append(request)
-            return await self._handle(request)
+            response = await self._handle(request)
+            self._codes[request.id] = response.status
+            return response
         except ApiError as e:
+            if request is not None:
+                self._codes[request.id] = e.code
             response = json_response(e.status(), e.code)
             response.headers.update(getattr(e, 'headers', None) or {})
             return response
@@ -388,10 +394,11 @@ class Emulator(kmock.KubernetesEmulator):
             return json_response({'status': 'ok', 'resourceVersion': str(self.store.rv),
                                   'celValidation': cel.AVAILABLE})
         if path == '/_emulator/requests' and method == 'GET':
-            return json_response([_describe(r) for r in self._requests])
+            return json_response([{**_describe(r), 'code': self._codes.get(r.id)} for r in self._requests])
         if path == '/_emulator/requests' and method == 'DELETE':
             count = len(self._requests)
             self._requests.clear()
+            self._codes.clear()
             return json_response({'cleared': count})
         if path == '/_emulator/compact' and method == 'POST':
             self.store.compact()

@@ -5,9 +5,10 @@ Derivation (read, not guessed):
 * every call the operator's code makes on its Kubernetes client (``KubeClient``), found by walking
   the AST of operator/rollout_operator/ (ctl.py is the user's CLI, not the operator; kube.py is the
   client itself): the kind comes from the call's first argument and ``kube.RESOURCES``, the verb from
-  the method (get, list, create, replace = update, patch, delete), ``ensure``/``ensure_all`` from the
-  verbs ``KubeClient.ensure`` itself uses times every kind ``children.render_all`` renders, a raw
-  ``request(METHOD, PATH)`` from its method and path;
+  the method (get, list, create, replace = update, patch, delete), ``apply`` of a child (a
+  server-side apply: patch, and create when it creates, as the API server authorizes it) times
+  every kind ``children.render_all`` renders, a raw ``request(METHOD, PATH)`` from its method and
+  path;
 * RBAC escalation prevention: the operator creates the runtime's Role, so it must hold every
   permission that Role grants;
 * children carry ownerReferences with ``blockOwnerDeletion: true``: update on the owner's
@@ -57,20 +58,6 @@ def _is_kube(node: ast.AST) -> bool:
     if isinstance(node, ast.Call):
         return isinstance(node.func, ast.Name) and node.func.id == "KubeClient"
     return False
-
-
-def _client_method_verbs(method: str) -> set[str]:
-    """The verbs one KubeClient method uses through its own self.<verb>(...) calls."""
-    tree = ast.parse((OPERATOR_SRC / "kube.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KubeClient")
-    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method)
-    verbs = set()
-    for node in ast.walk(fn):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
-                and node.func.attr in VERB_OF_METHOD):
-            verbs.add(VERB_OF_METHOD[node.func.attr])
-    return verbs
 
 
 def _client_method_kinds(method: str) -> set[tuple[str, str]]:
@@ -128,8 +115,8 @@ def code_needs() -> dict[Triple, list[str]]:
                     continue  # peering.py lists kopf's peering objects where kopf itself does: kopf_needs
                 if call.args and isinstance(call.args[0], ast.Constant):
                     group, plural = group_resource(call.args[0].value)
-                elif method == "create" and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj":
-                    add([(*group_resource(kind), "create") for kind in _children_kinds()], where)  # a child
+                elif method == "get" and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj['kind']":
+                    add([(*group_resource(kind), "get") for kind in _children_kinds()], where)  # a child
                     continue
                 elif method == "list" and path.name == "ports.py" and ast.unparse(call.args[0]) == "kind":
                     from rollout_operator.ports import SYNCED_KINDS  # WatchCache.sync lists each of these
@@ -141,9 +128,10 @@ def code_needs() -> dict[Triple, list[str]]:
                 else:
                     raise AssertionError(f"{where}: cannot tell the kind; teach tests/helm/rbac.py")
                 add([(group, f"{plural}/{sub}" if sub else plural, VERB_OF_METHOD[method])], where)
-            elif method in ("ensure", "ensure_all"):
-                verbs = _client_method_verbs("ensure")
-                add([(*group_resource(kind), verb) for kind in _children_kinds() for verb in verbs], where)
+            elif method == "apply":
+                assert call is not None and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj", where
+                add([(*group_resource(kind), verb) for kind in _children_kinds() for verb in ("patch", "create")],
+                    where)
             elif method == "secret_value":
                 add([(*group_resource(kind), verb) for kind, verb in _client_method_kinds("secret_value")], where)
             elif method == "request":
@@ -258,6 +246,15 @@ def allowed(rules: list[tuple[str | None, dict[str, Any]]], group: str, resource
                 and (not rule.get("resourceNames") or name in rule["resourceNames"])):
             return True
     return False
+
+
+def request_verbs(req: dict[str, Any]) -> list[str]:
+    """The verbs the API server authorizes a logged request as: a server-side apply that created
+    its object (answered 201) is authorized as patch and as create."""
+    verb = request_verb(req)
+    if verb == "patch" and "apply-patch" in req.get("contentType", "") and req.get("code") == 201:
+        return ["patch", "create"]
+    return [verb]
 
 
 def request_verb(req: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ def test_the_code_derivation_finds_what_the_operator_does() -> None:
     # sanity of the derivation itself: one call site of each sort was found
     assert ("", "pods", "list") in needs and ("", "secrets", "get") in needs
     assert ("mnnrollout.io", "modeldeployments/status", "update") in needs
-    assert ("apps", "deployments", "create") in needs and ("apps", "deployments", "update") in needs
+    assert ("apps", "deployments", "create") in needs and ("apps", "deployments", "patch") in needs
     assert any("alerts.py" in w for w in needs[("mnnrollout.io", "modeldeployments", "list")])
     assert not [t for t in needs if t[2] == "delete"]  # children go by garbage collection
     assert ("", "configmaps", "watch") in rbac.escalation_needs()
@@ -113,8 +113,12 @@ def test_rbac_can_be_left_to_the_user() -> None:
 def test_the_authorizer_used_by_the_e2e_audit() -> None:
     r = render()
     rules = rbac.bound_rules(r.objects, "mnn-rollout", "mnn-rollout")
-    assert rbac.allowed(rules, "apps", "deployments", "update", "anywhere")
+    assert rbac.allowed(rules, "apps", "deployments", "patch", "anywhere")
+    assert not rbac.allowed(rules, "apps", "deployments", "update", "anywhere")
     assert not rbac.allowed(rules, "apps", "deployments", "delete", "anywhere")
     assert not rbac.allowed(rules, "", "secrets", "list", "default")
     assert rbac.request_verb({"method": "GET", "name": None, "query": {"watch": "true"}}) == "watch"
     assert rbac.request_verb({"method": "GET", "name": "x", "query": {}}) == "get"
+    apply = {"method": "PATCH", "name": "x", "query": {}, "contentType": "application/apply-patch+yaml"}
+    assert rbac.request_verbs({**apply, "code": 201}) == ["patch", "create"]  # an apply that created
+    assert rbac.request_verbs({**apply, "code": 200}) == ["patch"]

@@ -91,5 +91,35 @@ def test_a_bad_cpu_quantity_is_refused_naming_the_field() -> None:
 
     from rollout_operator.spec import SpecError
 
-    with pytest.raises(SpecError, match=r"spec\.runtime\.resources\.limits\.cpu: 'two' is not a CPU quantity"):
+    with pytest.raises(SpecError, match=r"spec\.runtime\.resources\.limits\.cpu: 'two' is not a quantity"):
         parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}], "runtime": {"resources": {"limits": {"cpu": "two"}}}})
+
+
+def test_drift_names_the_rendered_fields_edited_and_ignores_the_rest() -> None:
+    import copy
+
+    import yaml
+
+    rendered = render({"v1": 90, "v2": 10})
+    deployment, cm = rendered["Deployment"], rendered["ConfigMap"]
+    live = copy.deepcopy(deployment)
+    # what the API server and other tools add is not drift
+    live["metadata"].update(uid="x", resourceVersion="7", annotations={**live["metadata"]["annotations"], "a/b": "c"})
+    live["spec"]["revisionHistoryLimit"] = 10
+    live["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    live["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "0.25"  # = 250m
+    live["status"] = {"replicas": 3}
+    assert children.drift(live, deployment) == []
+    live["spec"]["replicas"] = 5
+    live["spec"]["template"]["spec"]["containers"][0]["image"] = "other:1"
+    del live["metadata"]["labels"][children.OWNER_LABEL]
+    assert children.drift(live, deployment) == [
+        f"metadata.labels[{children.OWNER_LABEL}]", "spec.replicas", "spec.template.spec.containers[0].image"]
+    # the routing config compares as data: the edited keys are named, not the whole text
+    edited = copy.deepcopy(cm)
+    config = yaml.safe_load(edited["data"]["runtime.yaml"])
+    config["weights"]["v1"], config["weights"]["v2"] = 10, 90
+    edited["data"]["runtime.yaml"] = yaml.safe_dump(config)  # another key order: not drift by itself
+    assert children.drift(edited, cm) == ["data[runtime.yaml].weights.v1", "data[runtime.yaml].weights.v2"]
+    edited["data"]["runtime.yaml"] = "not: [yaml"
+    assert children.drift(edited, cm) == ["data[runtime.yaml]"]

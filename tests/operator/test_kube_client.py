@@ -257,20 +257,20 @@ def test_a_connection_lost_after_sending_repeats_only_what_is_safe_to_repeat(
     assert err.value.status == 0 and len(scripted.seen) == 3
 
 
-def test_ensure_takes_a_lost_create_success_for_its_own(emu: EmulatorProcess,
-                                                        make_client: Callable[..., KubeClient]) -> None:
-    """The create is carried out but answered 500; the repeat gets 409 AlreadyExists; ensure reads
-    the object back, finds its own spec-hash: created (not unchanged, not an error)."""
+def test_an_apply_whose_success_was_lost_is_repeated_harmlessly(emu: EmulatorProcess,
+                                                               make_client: Callable[..., KubeClient]) -> None:
+    """The apply is carried out but answered 500; the client repeats it (an apply is idempotent)
+    and gets the object; applying the same again changes nothing on the server."""
     kube = make_client(emulator_cfg(emu))
-    fault(emu, code=500, method="POST", path="configmaps$", after=True)
+    fault(emu, code=500, method="PATCH", path="configmaps/lost$", after=True)
     obj = configmap("lost", {"a": "1"}, **{HASH_ANNOTATION: "h1"})
-    assert kube.ensure(obj) == "created"
-    assert kube.retries_by_reason == {"500": 1}
-    assert [r["method"] for r in emu.write_requests("configmaps")] == ["POST", "POST"]
-    assert kube.ensure(obj) == "unchanged"
-    # someone else's object under that name: the hash differs, it is updated, not claimed as created
-    emu.request("POST", CM_PATH, configmap("theirs", {"a": "0"}, **{HASH_ANNOTATION: "other"}))
-    assert kube.ensure(configmap("theirs", {"a": "1"}, **{HASH_ANNOTATION: "h2"})) == "updated"
+    first = kube.apply(obj)
+    assert first["data"] == {"a": "1"} and kube.retries_by_reason == {"500": 1}
+    assert [r["method"] for r in emu.write_requests("configmaps")] == ["PATCH", "PATCH"]
+    again = kube.apply(obj)
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    managers = [(e["manager"], e["operation"]) for e in again["metadata"]["managedFields"]]
+    assert managers == [("mnn-rollout", "Apply")]
 
 
 # -- the rate limit -----------------------------------------------------------------------------------

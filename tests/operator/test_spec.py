@@ -150,3 +150,80 @@ def test_a_direct_custom_metric_by_series_name_is_accepted() -> None:
          "min": 0.02}]}}})
     metric = spec.strategy.analysis.metrics[0]
     assert (metric.metric, metric.labels, metric.per_request) == ("mnn_feedback_value_sum", {"kind": "click"}, True)
+
+
+GOOD_POD_FIELDS = {
+    "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "1.5Gi"}},
+    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                {"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}],
+    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+}
+
+
+@pytest.mark.parametrize(
+    ("runtime", "message", "crd_path"),
+    [
+        ({"volumes": [{"name": "m", "emptyDir": "oops"}]},
+         "spec.runtime.volumes.0.emptyDir: 'oops' is not of type 'object'", "spec.runtime.volumes[0].emptyDir"),
+        ({"volumes": [{"persistentVolumeClaim": {"claimName": "c"}}]},
+         "spec.runtime.volumes.0: 'name' is a required property", "spec.runtime.volumes[0].name"),
+        ({"volumes": [{"name": "m", "persistentVolumeClaim": {}}]},
+         "spec.runtime.volumes.0.persistentVolumeClaim: 'claimName' is a required property",
+         "spec.runtime.volumes[0].persistentVolumeClaim.claimName"),
+        ({"resources": {"limits": {"memory": "lots"}}},
+         "spec.runtime.resources.limits.memory: 'lots' is not a quantity", "spec.runtime.resources.limits.memory"),
+        ({"tolerations": [{"key": "gpu", "tolerationSeconds": "soon"}]},
+         "spec.runtime.tolerations.0.tolerationSeconds: 'soon' is not of type 'integer'",
+         "spec.runtime.tolerations[0].tolerationSeconds"),
+        ({"volumeMounts": [{"name": "models"}]},
+         "spec.runtime.volumeMounts.0: 'mountPath' is a required property", "spec.runtime.volumeMounts[0].mountPath"),
+    ],
+)
+def test_pass_through_pod_fields_are_refused_by_the_crd_and_the_operator(
+        runtime: dict[str, Any], message: str, crd_path: str) -> None:
+    """What goes into the pods as it is, is checked against the Kubernetes schemas twice: by the API
+    server (the CRD) when the object is applied, and by the operator before it writes anything."""
+    with pytest.raises(SpecError) as info:
+        parse_spec({**CANARY, "runtime": runtime})
+    assert message in str(info.value), str(info.value)
+    md = {"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"},
+          "spec": {**CANARY, "runtime": runtime}}
+    assert crd_path in [path for path, _ in validate(md, SCHEMA)], validate(md, SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "message"),
+    [
+        ({"volumes": [{"name": "models", "emptydir": {}}]}, "'emptydir' was unexpected"),
+        ({"volumeMounts": [{"name": "models", "mountPath": "/models"}]},
+         "spec.runtime.volumeMounts.0.name: 'models' names no volume in runtime.volumes"),
+        ({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "spec.runtime.volumes.0.name: 'tmp' is the runtime's own"),
+        ({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]},
+         "spec.runtime.volumes.1.name: 'a' is used by another volume"),
+        ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/tmp"}]},
+         "spec.runtime.volumeMounts.0.mountPath: '/tmp' is already mounted"),
+    ],
+)
+def test_the_operator_refuses_what_the_api_server_would_refuse_in_the_pods(runtime: dict[str, Any],
+                                                                           message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**CANARY, "runtime": runtime})
+    assert message in str(info.value), str(info.value)
+
+
+def test_valid_pod_fields_pass_both() -> None:
+    spec = parse_spec({**CANARY, "runtime": GOOD_POD_FIELDS})
+    assert spec.runtime.volumes[0]["persistentVolumeClaim"]["claimName"] == "models"
+    md = {"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"},
+          "spec": {**CANARY, "runtime": GOOD_POD_FIELDS}}
+    assert validate(md, SCHEMA) == []
+
+
+def test_the_generated_pod_field_schemas_are_current() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "crds" / "podfields.py"), "--check"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -99,24 +99,25 @@ tests/helm/test_rbac.py checks this list against the code and that nothing else 
 - apiGroups: [mnnrollout.io]
   resources: [modeldeployments/finalizers]
   verbs: [update]
-# Children: ConfigMap <name>-routing, Service, ServiceAccount: read, create, replace (PUT);
+# Children: ConfigMap <name>-routing, Service, ServiceAccount: written by server-side apply
+# (patch; create when the apply creates); read (get) before the watch cache is synced;
 # list/watch (by the owner label) so that a child edited or deleted by hand wakes its owner,
 # whose reconcile puts it back. (The runtime's Role grants get/list/watch on its ConfigMap, and
 # RBAC lets a subject grant only permissions it holds itself.)
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [get, list, watch, create, update]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services, serviceaccounts]
-  verbs: [get, list, watch, create, update]
+  verbs: [get, list, watch, create, patch]
 # Children: Deployment <name>-runtime.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, update]
+  verbs: [get, list, watch, create, patch]
 # Children: the runtime's Role and RoleBinding.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [get, list, watch, create, update]
+  verbs: [get, list, watch, create, patch]
 # Runtime pods are listed (by label) to find the ready ones and scrape their /metrics, and
 # watched (by label) so that a pod becoming ready or going away wakes its ModelDeployment.
 - apiGroups: [""]
