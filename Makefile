@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
-.PHONY: install install-demo system-deps bench-deps demo test bench lint clean
+.PHONY: install install-demo system-deps bench-deps demo test bench chaos lint clean
 
 # Everything: the package with the test and dev extras (what `make test` needs).
 install: $(STAMP)
@@ -47,6 +47,11 @@ bench-deps: install
 	@command -v wrk >/dev/null && command -v h2load >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends wrk nghttp2-client; }
 	$(BIN)/python -m pip install --quiet -e ".[test,dev,bench]"
+
+# The chaos soak: ten minutes of operator, pod, API, watch, Prometheus and webhook faults under
+# rollouts with traffic; invariants checked all along (a two-minute version runs in `make test`).
+chaos: install system-deps
+	$(BIN)/python bench/chaos.py --minutes 10
 
 bench: bench-deps system-deps
 	$(BIN)/python bench/serve_startup.py --before 9692ef1

@@ -29,11 +29,13 @@ def _get(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
     return md
 
 
-def act(kube: KubeClient, namespace: str, name: str, action: str, wait: float = 20.0) -> tuple[int, str]:
+def act(kube: KubeClient, namespace: str, name: str, action: str, wait: float = 20.0,
+        token: str | None = None) -> tuple[int, str]:
     """Request ``action`` and wait (at most ``wait`` seconds) for the operator's answer: applied,
-    pending (it applies once it can) or ignored with the reason. Returns (exit code, outcome)."""
+    pending (it applies once it can) or ignored with the reason. Returns (exit code, outcome).
+    ``token`` (``action:unique``, default ``action:time``) is how the answer names the request."""
     _get(kube, namespace, name)
-    token = f"{action}:{time.time():.3f}"
+    token = token or f"{action}:{time.time():.3f}"
     kube.patch("ModelDeployment", namespace, name, {"metadata": {"annotations": {ACTION_ANNOTATION: token}}})
 
     def answer(st: dict[str, Any]) -> tuple[int, str] | None:

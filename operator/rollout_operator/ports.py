@@ -10,6 +10,7 @@ the same reconcile code.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -54,6 +55,7 @@ def _older(body: dict[str, Any], held: dict[str, Any] | None) -> bool:
 
 # Kinds the cache holds: the runtime pods and every kind of child, selected by the owner label.
 SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding")
+RELIST_GRACE = 5.0  # a kind listed this recently is not listed again for a watch's re-list
 
 
 class WatchCache:
@@ -70,20 +72,59 @@ class WatchCache:
         self._children: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._rendered: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._pods: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (namespace, owner) -> name -> pod
+        self._stamps: dict[tuple[str, str, str], float] = {}  # (namespace, name, kind) -> when last put
+        self._listed: dict[str, float] = {}  # kind -> when it was last listed
 
     def sync(self, kube: KubeClient, namespaces: list[str] | None) -> None:
         """One list of every cached kind (in each namespace, or across all), then ``synced``."""
-        selector = children.OWNER_LABEL
         for kind in SYNCED_KINDS:
-            scopes: list[str | None] = list(namespaces) if namespaces else [None]
-            for namespace in scopes:
-                for obj in kube.list(kind, namespace, selector):
-                    obj.setdefault("kind", kind)
-                    if kind == "Pod":
-                        self.put_pod(obj)
-                    else:
-                        self.put_child(obj)
+            self.relist(kube, kind, namespaces)
         self.synced = True
+
+    def needs_relist(self, kind: str, grace: float = RELIST_GRACE) -> bool:
+        """Whether ``kind`` was last listed more than ``grace`` s ago (then this call counts as a
+        list, so that a burst of listing events asks once)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self.synced or now - self._listed.get(kind, 0.0) < grace:
+                return False
+            self._listed[kind] = now
+            return True
+
+    def relist(self, kube: KubeClient, kind: str, namespaces: list[str] | None) -> set[tuple[str, str]]:
+        """List ``kind`` and bring the cache in line: put every listed object, and drop those the
+        cache held from before the list that the list no longer has (deleted while no watch ran:
+        a standby replica's, or a re-list after 410 Gone; a watch re-list reports no deletions).
+        Returns the (namespace, owner) of what was dropped."""
+        started = time.monotonic()
+        with self._lock:
+            self._listed[kind] = started
+        listed: list[dict[str, Any]] = []
+        for namespace in (list(namespaces) if namespaces else [None]):
+            for obj in kube.list(kind, namespace, children.OWNER_LABEL):
+                obj.setdefault("kind", kind)
+                listed.append(obj)
+        present = {(*self._key(obj), kind) for obj in listed}
+        gone: set[tuple[str, str]] = set()
+        with self._lock:
+            held = [(key, body) for key, body in self._children.items() if key[2] == kind] if kind != "Pod" else \
+                [((ns, name, "Pod"), pod) for (ns, _), pods in self._pods.items() for name, pod in pods.items()]
+            for key, body in held:
+                if key in present or self._stamps.get(key, 0.0) >= started:
+                    continue  # still there, or put by a watch event after the list began
+                owner = ((body.get("metadata") or {}).get("labels") or {}).get(children.OWNER_LABEL, "")
+                if kind == "Pod":
+                    self._pods.get((key[0], owner), {}).pop(key[1], None)
+                else:
+                    self._children.pop(key, None)
+                self._stamps.pop(key, None)
+                gone.add((key[0], owner))
+        for obj in listed:
+            if kind == "Pod":
+                self.put_pod(obj)
+            else:
+                self.put_child(obj)
+        return gone
 
     def put_pod(self, body: dict[str, Any], deleted: bool = False) -> None:
         namespace, name = self._key(body)
@@ -92,8 +133,10 @@ class WatchCache:
             pods = self._pods.setdefault((namespace, owner), {})
             if deleted:
                 pods.pop(name, None)
-            else:
+                self._stamps.pop((namespace, name, "Pod"), None)
+            elif not _older(body, pods.get(name)):
                 pods[name] = body
+                self._stamps[(namespace, name, "Pod")] = time.monotonic()
 
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
         with self._lock:
@@ -119,8 +162,10 @@ class WatchCache:
         with self._lock:
             if deleted:
                 self._children.pop(key, None)
+                self._stamps.pop(key, None)
             elif not _older(body, self._children.get(key)):
                 self._children[key] = body
+                self._stamps[key] = time.monotonic()
 
     def rendered(self, obj: dict[str, Any]) -> None:
         """Remember what was last rendered for the child ``obj`` names."""

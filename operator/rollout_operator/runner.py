@@ -81,7 +81,8 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
                                    args.namespace or None)
             webhook.start()
             log.info("Alertmanager webhook on %s:%s/alerts", args.webhook_host, webhook.port)
-    wakeups = WakeUps(reconciler, post_events, workers=args.reconcile_workers, resync_seconds=args.resync_seconds)
+    wakeups = WakeUps(reconciler, post_events, workers=args.reconcile_workers, resync_seconds=args.resync_seconds,
+                      namespaces=args.namespace or None)
     memo = kopf.Memo(wakeups=wakeups, peering_lifetime=args.peering_lifetime, namespaces=args.namespace or None,
                      **(memo_extra or {}))
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)

@@ -83,8 +83,10 @@ class WakeUps:
     """The per-object tasks, the wake-up signals and the shared reconcile pool."""
 
     def __init__(self, reconciler: Reconciler, post: Callable[[dict[str, Any], list[Event]], None],
-                 workers: int = 16, resync_seconds: float = 2.0, clock: Callable[[], float] = time.time) -> None:
+                 workers: int = 16, resync_seconds: float = 2.0, clock: Callable[[], float] = time.time,
+                 namespaces: list[str] | None = None) -> None:
         self.reconciler = reconciler
+        self.namespaces = namespaces
         self.post = post  # Events of one reconcile, posted on the object
         self.cache: WatchCache | None = getattr(reconciler.ports, "cache", None)
         self.resync = resync_seconds
@@ -113,6 +115,8 @@ class WakeUps:
         pod = (meta.get("namespace", ""), meta.get("name", ""))
         if self.cache is not None:
             self.cache.put_pod(body, deleted=event_type == "DELETED")
+            if event_type is None:
+                self._relist("Pod")
         if _changed(self._pods, pod, None if event_type == "DELETED" else pod_signature(body)):
             self.wake((pod[0], owner))
 
@@ -124,11 +128,35 @@ class WakeUps:
         deleted = event_type == "DELETED"
         if self.cache is not None:
             self.cache.put_child(body, deleted=deleted)
+            if event_type is None:
+                self._relist(str(body.get("kind")))
             if not deleted and not self.cache.differs(body):
                 self._children[child] = child_signature(body)
                 return
         if _changed(self._children, child, None if deleted else child_signature(body)):
             self.wake((child[0], owner))
+
+    def _relist(self, kind: str) -> None:
+        """A listing event (type None): the watch of ``kind`` started over (operator start,
+        resuming after a peering pause, 410 Gone) and reports no deletions from the gap. List the
+        kind once (off the loop) so the cache drops what is gone, and wake the owners of it."""
+        cache, kube = self.cache, getattr(self.reconciler.ports, "kube", None)
+        if cache is None or kube is None or not cache.needs_relist(kind):
+            return
+        loop = asyncio.get_running_loop()
+
+        def relist() -> None:
+            try:
+                gone = cache.relist(kube, kind, self.namespaces)
+            except Exception:  # the next listing event asks again
+                log.exception("re-list of %s failed", kind)
+                return
+            if gone:
+                log.info("re-list of %s: %d owner(s) had objects deleted while unwatched", kind, len(gone))
+            for key in gone:
+                loop.call_soon_threadsafe(self.wake, key)
+
+        loop.run_in_executor(self.pool, relist)
 
     async def run(self, namespace: str, name: str, stopped: Any) -> None:
         """The object's loop: reconcile, then sleep until woken, due, or stopped."""

@@ -45,7 +45,9 @@ removed unless another manager owns it too. Simplified, compared with a real API
 Test controls (not part of the Kubernetes API, never logged): ``GET /_emulator/healthz``;
 ``GET``/``DELETE /_emulator/requests`` (the request log: method, path, query, contentType, action,
 group, version, resource, namespace, name, subresource, userAgent); ``POST /_emulator/compact``
-(forget the watch history: older resourceVersions get 410); ``POST /_emulator/faults`` with
+(forget the watch history: older resourceVersions get 410); ``POST /_emulator/drop-watches`` (every
+open watch stream is cut without a final chunk, as when a connection or an apiserver goes away);
+``POST /_emulator/faults`` with
 ``{"method": "PATCH", "path": "regex", "code": 500, "reason": "...", "message": "...", "times": 1,
 "retryAfter": 2, "after": false}`` (the next ``times`` matching API requests fail with that Status;
 -1 = forever; ``retryAfter``: a Retry-After header and details.retryAfterSeconds; ``after``: the
@@ -403,6 +405,9 @@ class Emulator(kmock.KubernetesEmulator):
         if path == '/_emulator/compact' and method == 'POST':
             self.store.compact()
             return json_response({'compactedResourceVersion': str(self.store.compacted_rv)})
+        if path == '/_emulator/drop-watches' and method == 'POST':
+            self.store.watch_epoch += 1
+            return json_response({'watchEpoch': self.store.watch_epoch})
         raise ApiError(404, 'NotFound', f'no such emulator control endpoint: {method} {path}')
 
 

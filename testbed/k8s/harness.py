@@ -144,11 +144,22 @@ class EmulatorProcess:
                 if r['method'] in WRITE_METHODS and (resource is None or r['resource'] == resource)]
 
     def inject_fault(self, code: int = 500, method: str = '*', path: str = '', times: int = 1,
-                     reason: str = 'InternalError', message: str = 'injected by the emulator') -> None:
-        """Make the next ``times`` API requests matching ``method`` and the ``path`` regex fail."""
-        body = {'code': code, 'method': method, 'path': path, 'times': times, 'reason': reason, 'message': message}
+                     reason: str = 'InternalError', message: str = 'injected by the emulator',
+                     retry_after: int | None = None, after: bool = False) -> None:
+        """Make the next ``times`` API requests matching ``method`` and the ``path`` regex fail
+        (``after``: carried out first, then answered with the fault; ``retry_after``: a Retry-After)."""
+        body = {'code': code, 'method': method, 'path': path, 'times': times, 'reason': reason, 'message': message,
+                'retryAfter': retry_after, 'after': after}
         status, answer = self.request('POST', '/_emulator/faults', body)
         assert status == 201, answer
+
+    def drop_watches(self) -> None:
+        """Cut every open watch stream, as a lost connection does."""
+        assert self.request('POST', '/_emulator/drop-watches')[0] == 200
+
+    def compact(self) -> None:
+        """Forget the watch history: a watch resumed from an older resourceVersion gets 410 Gone."""
+        assert self.request('POST', '/_emulator/compact')[0] == 200
 
     def connection_info(self) -> Any:
         """For an in-process kopf operator: ``@kopf.on.login() def login(**_): return emu.connection_info()``.

@@ -92,7 +92,7 @@ class Lifecycle(_Base):
         if key[:2] == CRDS:
             group = (obj.get('spec') or {}).get('group')
             plural = ((obj.get('spec') or {}).get('names') or {}).get('plural')
-            for ckey in [k for k in self.objects if k[0] == group and k[1] == plural]:
+            for ckey in [k for k, _ in self.objects.of(group, plural)]:
                 self._finalize(ckey, 'Background')
             self.registry.unregister_crd(obj)
         self._collect_dependents(obj['metadata']['uid'], policy)
@@ -101,10 +101,11 @@ class Lifecycle(_Base):
         return obj
 
     def _collect_dependents(self, uid: str, policy: str) -> None:
-        for dkey, dep in list(self.objects.items()):
-            refs = dep['metadata'].get('ownerReferences') or []
-            if dkey not in self.objects or not any(ref.get('uid') == uid for ref in refs):
+        for dkey in self.objects.owned_by(uid):
+            dep = self.objects.get(dkey)
+            if dep is None:
                 continue
+            refs = dep['metadata'].get('ownerReferences') or []
             drd = self._rd_for(dkey)
             remaining = [ref for ref in refs if ref.get('uid') != uid]
             if policy == 'Orphan' or (remaining and self._owners_exist(dkey, remaining)):
@@ -115,8 +116,8 @@ class Lifecycle(_Base):
 
     def _owners_exist(self, key: 'Key', refs: list[dict[str, Any]]) -> bool:
         uids = {ref.get('uid') for ref in refs}
-        return any(o['metadata']['uid'] in uids and (not k[2] or not key[2] or k[2] == key[2])
-                   for k, o in self.objects.items())
+        owners = [self.objects.key_of_uid(uid) for uid in uids if isinstance(uid, str)]
+        return any(k is not None and (not k[2] or not key[2] or k[2] == key[2]) for k in owners)
 
     def _collect_orphan(self, key: 'Key') -> None:
         """The GC's view of dangling owner references (run shortly after a write, asynchronously)."""
@@ -133,7 +134,7 @@ class Lifecycle(_Base):
                        {'metadata': {'ownerReferences': alive}})
 
     def _terminate_namespace(self, namespace: str) -> None:
-        for key in [k for k in self.objects if k[2] == namespace]:
+        for key in self.objects.in_namespace(namespace):
             obj = self.objects.get(key)
             if obj is not None and not obj['metadata'].get('deletionTimestamp'):
                 self.delete(self._rd_for(key), namespace, key[3], {'propagationPolicy': 'Background'})
@@ -144,7 +145,7 @@ class Lifecycle(_Base):
         ns = self.objects.get(nskey)
         if ns is None or not ns['metadata'].get('deletionTimestamp'):
             return
-        if any(k[2] == namespace for k in self.objects):
+        if self.objects.in_namespace(namespace):
             return
         rd = self._rd_for(nskey)
         if (ns.get('spec') or {}).get('finalizers'):

@@ -8,6 +8,7 @@ see cel.py). Not done: ``format`` checks, ``anyOf``/``oneOf``/``not``, list-type
 validation ratcheting. A write that fails validation is a 422 Invalid, with causes.
 """
 import copy
+import functools
 import re
 from typing import Any
 
@@ -202,12 +203,30 @@ def validate_builtin(obj: dict[str, Any]) -> list[tuple[str, str]]:
     """(field path, message) of the first schema violation of a built-in kind; empty when valid."""
     if obj.get('kind') not in BUILTIN_VALIDATED:
         return []
-    import kubernetes_validate
+    import jsonschema
 
     try:
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=False)
-    except kubernetes_validate.ValidationError as e:
+        _builtin_validator(str(obj.get('apiVersion', '')), str(obj['kind'])).validate(obj)
+    except jsonschema.ValidationError as e:
         path = '.'.join(f'[{p}]' if isinstance(p, int) else str(p) for p in e.path).replace('.[', '[')
         return [(path or '<root>', f'Invalid value: {e.message}')]
     return []
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_validator(api_version: str, kind: str) -> Any:
+    """kubernetes-validate's schema of one kind, read and compiled once (its ``validate`` parses
+    the JSON files on every call: most of the emulator's CPU under a burst of writes)."""
+    import jsonschema
+    from kubernetes_validate import utils
+    from referencing import Registry, Resource
+
+    wanted = utils.major_minor(KUBERNETES_VERSION)
+    version = [v for v in utils.all_versions() if utils.major_minor(v) <= wanted][-1]
+    folder = f'kubernetes-json-schema/v{version}-local'
+    group = re.sub(r'^([^./]*)(?:\.[^/]*)?/', r'\1-', api_version)
+    schema = utils.schema_contents(f'{folder}/{kind.lower()}-{group}.json', KUBERNETES_VERSION)
+    definitions = utils.schema_contents(f'{folder}/_definitions.json', KUBERNETES_VERSION)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
 

@@ -16,11 +16,11 @@ import uuid
 from typing import Any, Callable
 
 from . import patching, schema
+from .index import Key, Objects
 from .errors import ApiError
 from .lifecycle import Lifecycle
 from .resources import Registry, ResourceDef
 
-Key = tuple[str, str, str, str]  # (group, plural, namespace or '', name)
 INITIAL_NAMESPACES = ('default', 'kube-system', 'kube-public', 'kube-node-lease')
 DEFAULT_MANAGER = 'emulator'  # the field manager of writes made inside the emulator (GC, namespace controller)
 _META_KEYS = {'name', 'generateName', 'namespace', 'uid', 'resourceVersion', 'generation', 'creationTimestamp',
@@ -49,12 +49,13 @@ class Store(Lifecycle):
     def __init__(self, registry: Registry, history_size: int = 10000) -> None:
         self.registry = registry
         self.rv = 0
-        self.objects: dict[Key, dict[str, Any]] = {}
+        self.objects = Objects()
         self.history: collections.deque[Event] = collections.deque(maxlen=max(1, history_size))
         self.policies: dict[Key, str] = {}  # deletion propagation remembered until finalizers clear
         self.compacted_rv = 0  # watches from an older resourceVersion get 410 Gone
-        self.listeners: set[Callable[[Event], None]] = set()
+        self.listeners: dict[tuple[str, str], set[Callable[[Event], None]]] = {}  # by (group, plural)
         self.closed = False  # set at shutdown: open watches end
+        self.watch_epoch = 0  # raised to cut every open watch stream (a dropped connection)
         self.schedule: Callable[[float, Callable[[], None]], None] | None = None  # set by the server
         for name in INITIAL_NAMESPACES:
             self.create(self.rd('', 'v1', 'namespaces'), None, {'metadata': {'name': name}})
@@ -83,7 +84,7 @@ class Store(Lifecycle):
         event = Event(int(obj['metadata']['resourceVersion']), rd.group, rd.plural, etype, copy.deepcopy(obj),
                       copy.deepcopy(old) if old is not None else None)
         self.history.append(event)
-        for listener in list(self.listeners):
+        for listener in list(self.listeners.get((rd.group, rd.plural), ())):
             listener(event)
 
     def compact(self) -> None:
@@ -106,11 +107,7 @@ class Store(Lifecycle):
 
     def list(self, rd: ResourceDef, namespace: str | None,
              match: Callable[[dict[str, Any]], bool] = lambda o: True) -> list[dict[str, Any]]:
-        items = []
-        for (group, plural, ns, _), obj in sorted(self.objects.items()):
-            if group == rd.group and plural == rd.plural and (not namespace or ns == namespace) and match(obj):
-                items.append(self.render(rd, obj))
-        return items
+        return [self.render(rd, obj) for _, obj in self.objects.of(rd.group, rd.plural, namespace) if match(obj)]
 
     # --- validation ------------------------------------------------------------------------------
 

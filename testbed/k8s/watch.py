@@ -58,7 +58,9 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
                     if typed:
                         initial.append((typed, store.render(rd, event.object)))
     start_rv = store.rv
-    store.listeners.add(queue.put_nowait)
+    epoch = store.watch_epoch
+    listeners = store.listeners.setdefault((rd.group, rd.plural), set())
+    listeners.add(queue.put_nowait)
 
     response = aiohttp.web.StreamResponse(status=200, headers={
         'Content-Type': 'application/json', 'Cache-Control': 'no-cache, private'})
@@ -93,6 +95,10 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
         deadline = loop.time() + timeout
         last_bookmark = loop.time()
         while (remaining := deadline - loop.time()) > 0:
+            if store.watch_epoch != epoch:  # dropped: no final chunk, the connection just ends
+                if raw.transport is not None:
+                    raw.transport.abort()
+                return response
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=min(TICK, remaining))
             except TimeoutError:
@@ -102,6 +108,8 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
                     await send('BOOKMARK', bookmark(store.rv))
                     last_bookmark = loop.time()
                 continue
+            if store.watch_epoch != epoch:
+                continue  # dropped while waiting: cut above, this event not sent
             if relevant(event):
                 typed = _transition(event, match)
                 if typed:
@@ -110,7 +118,7 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
     except (ConnectionError, RuntimeError):
         pass  # the client went away
     finally:
-        store.listeners.discard(queue.put_nowait)
+        listeners.discard(queue.put_nowait)
     return response
 
 

@@ -1,4 +1,5 @@
 """Watch streams: format, resumption, 410 Gone, timeouts, bookmarks, selectors, cluster-wide."""
+import http.client
 import threading
 import time
 
@@ -105,3 +106,30 @@ def test_watch_as_table_sends_column_definitions_once(api, ns):
     assert [e['object']['kind'] for e in events] == ['Table', 'Table']
     assert 'columnDefinitions' in events[0]['object'] and 'columnDefinitions' not in events[1]['object']
     assert events[1]['object']['rows'][0]['cells'][:2] == ['b', 1]
+
+
+def test_dropped_watches_end_abruptly_and_a_resumed_watch_misses_nothing(api, ns):
+    """``POST /_emulator/drop-watches`` cuts open streams mid-way (no final chunk), like a lost
+    connection; a watch resumed from the last resourceVersion seen gets what happened meanwhile."""
+    import threading
+    seen = ok(api.request('POST', CONFIGMAPS.format(ns=ns), configmap('d0')), 201)['metadata']['resourceVersion']
+    outcome: dict = {}
+
+    def follow() -> None:
+        started = time.monotonic()
+        try:
+            outcome['events'] = watch(api, CONFIGMAPS.format(ns=ns), {'resourceVersion': seen,
+                                                                      'timeoutSeconds': '30'})[1]
+        except (http.client.IncompleteRead, ConnectionError):
+            outcome['events'] = []
+        outcome['after'] = time.monotonic() - started
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    time.sleep(0.5)
+    ok(api.request('POST', '/_emulator/drop-watches'))
+    ok(api.request('POST', CONFIGMAPS.format(ns=ns), configmap('d1')), 201)
+    thread.join(10)
+    assert outcome['events'] == [] and outcome['after'] < 5, outcome  # cut long before its 30 s timeout
+    _, events = watch(api, CONFIGMAPS.format(ns=ns), {'resourceVersion': seen, 'timeoutSeconds': '1'})
+    assert [e['object']['metadata']['name'] for e in events] == ['d1']

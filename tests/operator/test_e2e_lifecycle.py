@@ -128,6 +128,30 @@ def test_two_replicas_with_peering_only_one_acts_and_the_other_takes_over(cluste
     wait_for(lambda: cluster.configmap_weights() == {"v1": 90, "v2": 10}, 60, "the standby replica took over")
 
 
+def test_a_standby_that_takes_over_forgets_the_pods_deleted_while_it_stood_by(cluster: Cluster) -> None:
+    """A standby's watches are paused: the pods deleted meanwhile never reach it as events, and
+    its re-list on taking over reports none. It must not scrape them (an analysis that cannot
+    scrape every pod is inconclusive: the canary would hold until its deadline)."""
+    from mnn_rollout.local.traffic import Traffic
+    from tests.operator.test_e2e_rollout import canary
+
+    high = cluster.start_operator("--priority", "200", "--peering-lifetime", "5")
+    cluster.apply(cluster.manifest("scorer.yaml"))
+    old = {p.name for p in cluster.wait_ready()}
+    wait_for(lambda: cluster.status().get("phase") == "Ready", 60, "phase Ready")
+    low = cluster.start_operator("--priority", "100", "--peering-lifetime", "5")
+    wait_for(lambda: "watch cache synced" in low.log(), 30, "the standby lists the pods at its start")
+    gone = sorted(old)[0]
+    cluster.emu.kubectl("delete", "pod", gone, "--wait=false")
+    wait_for(lambda: len({p.name for p in cluster.pods()} - old) == 1 and len(cluster.pods()) == 2, 90,
+             "a replacement pod ready")
+    high.kill(signal.SIGKILL)
+    with Traffic(cluster.pods, users=500, rate=120, connections=2):
+        cluster.apply(canary(cluster, steps=[{"weight": 30, "pause": "2s"}]))
+        wait_for(lambda: cluster.status().get("phase") == "Succeeded", 120, "the standby promotes the canary")
+    assert "re-list of Pod: 1 owner(s) had objects deleted while unwatched" in low.log()
+
+
 def test_operator_metrics_report_reconciles_phase_and_weights(cluster: Cluster) -> None:
     ready_cluster(cluster, weights={"v1": 75, "v2": 25})
     wait_for(lambda: cluster.configmap_weights() == {"v1": 75, "v2": 25}, 20, "weights applied")
