@@ -73,15 +73,17 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault(uid, threading.Lock())
 
-    def reconcile(self, body: dict[str, Any]) -> Outcome | None:
-        """Reconcile the object ``body`` names. The live object is re-read under a per-object lock,
-        so a handler holding an older body never decides from (or writes over) a newer status.
-        Returns None when the object is gone."""
+    def reconcile(self, body: dict[str, Any], fresh: bool = False) -> Outcome | None:
+        """Reconcile the object ``body`` names. The live object is re-read under a per-object lock
+        (unless the caller just read it: ``fresh``), so a handler holding an older body never
+        decides from a newer status; a status decided from an older version than the stored one
+        meets a 409 (the write's resourceVersion precondition) and is decided again. Returns None
+        when the object is gone."""
         meta = body["metadata"]
         with self._lock(meta["uid"]):
             started = time.perf_counter()
             try:
-                live = self.ports.read(meta["namespace"], meta["name"])
+                live = body if fresh else self.ports.read(meta["namespace"], meta["name"])
                 if live is None or live["metadata"].get("uid") != meta["uid"]:
                     return None
                 outcome = self._reconcile(live)

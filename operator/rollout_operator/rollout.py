@@ -219,7 +219,7 @@ def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float
     retiring = (st.previous_stable,) if st.phase == Phase.PROMOTING and st.previous_stable else ()
     retired = tuple(sorted({*st.retired, *retiring} - {canary, st.stable_version}))
     st = replace(st, canary_version=canary, canary_file=file_of(spec, canary), current_step=0, failures=0,
-                 analysis={}, retired=retired, paused_at=None,
+                 analysis={}, retired=retired, paused_at=None, abort_reason=None, rolled_back_at=None,
                  step_started_at=now, phase=Phase.PROGRESSING, rollout_started_at=now,
                  message=f"waiting for {canary} to load on every pod")
     return _set_weight(st, 0, now, restart_clock=True)

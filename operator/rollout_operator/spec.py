@@ -189,6 +189,7 @@ def pod_field_errors(raw: dict[str, Any]) -> list[str]:
             errors.append(f"{field}{where}: {message}")
     if errors:
         return errors
+    errors.extend(_toleration_errors(raw.get("tolerations") or []))
     names = [v.get("name") for v in raw.get("volumes") or []]
     for n, name in enumerate(names):
         if name == RESERVED_VOLUME:
@@ -203,6 +204,29 @@ def pod_field_errors(raw: dict[str, Any]) -> list[str]:
         if mount.get("mountPath") in paths:
             errors.append(f"volumeMounts.{n}.mountPath: {mount.get('mountPath')!r} is already mounted")
         paths.append(mount.get("mountPath"))
+    return errors
+
+
+TOLERATION_OPERATORS = ("Equal", "Exists")
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _toleration_errors(tolerations: list[dict[str, Any]]) -> list[str]:
+    """What the API server's Go validation of tolerations refuses (its schema has no enums)."""
+    errors = []
+    for n, t in enumerate(tolerations):
+        op, effect = t.get("operator") or "Equal", t.get("effect") or ""
+        if op not in TOLERATION_OPERATORS:
+            errors.append(f"tolerations.{n}.operator: {op!r} is not supported; valid: Equal, Exists")
+        if op == "Exists" and t.get("value"):
+            errors.append(f"tolerations.{n}.value: {t['value']!r}: must be empty when operator is Exists")
+        if not t.get("key") and op != "Exists":
+            errors.append(f"tolerations.{n}.operator: {op!r}: must be Exists when key is empty")
+        if effect and effect not in TOLERATION_EFFECTS:
+            errors.append(f"tolerations.{n}.effect: {effect!r} is not supported; valid: "
+                          + ", ".join(TOLERATION_EFFECTS))
+        if t.get("tolerationSeconds") is not None and effect != "NoExecute":
+            errors.append(f"tolerations.{n}.tolerationSeconds: only with effect NoExecute (effect is {effect!r})")
     return errors
 
 

@@ -189,7 +189,7 @@ class WakeUps:
                 return False
             if live.get("metadata", {}).get("deletionTimestamp"):
                 return None
-            outcome = self.reconciler.reconcile(live)
+            outcome = self.reconciler.reconcile(live, fresh=True)  # just read: one GET per reconcile
             if outcome is None:
                 return False
             if outcome.events:

@@ -69,9 +69,7 @@ def test_an_operator_killed_mid_way_resumes_without_duplicates_or_lost_status(cl
     routes = [served(p, KEYS) for p in pods]
     cluster.operators[0].kill(signal.SIGKILL)
     cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":30,"v2":70}}}')
-    time.sleep(1)
-    assert cluster.configmap_weights() == {"v1": 60, "v2": 40}  # nobody acted while it was down
-    assert [served(p, KEYS) for p in pods] == routes  # and traffic went on
+    assert [served(p, KEYS) for p in pods] == routes  # the pods serve on without an operator
     cluster.start_operator()  # it may wait for the dead replica's peering keep-alive (15 s) to expire
     wait_for(lambda: cluster.configmap_weights() == {"v1": 30, "v2": 70}, 60, "new operator applies the change")
     status = cluster.status()

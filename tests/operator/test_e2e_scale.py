@@ -78,3 +78,8 @@ def test_sixty_modeldeployments_are_each_reconciled_and_the_last_as_fast_as_the_
     calls = [r for r in operator if str((r.get("query") or {}).get("watch", "")).lower() not in ("1", "true")
              and "kopfpeerings" not in r.get("path", "")]
     assert calls == [], calls[:5]
+    # it was alive and watching all along: a change right after the quiet window is reconciled at once
+    status, body = cluster.emu.request("PATCH", f"{MD_PATH}/{names[1]}", {"spec": {"paused": True}},
+                                       content_type="application/merge-patch+json")
+    assert status == 200, body
+    wait_for(lambda: observed(cluster, names[1]) >= 2, 10, "a change after the idle window reconciled")

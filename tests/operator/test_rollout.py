@@ -144,6 +144,7 @@ def test_a_rolled_back_canary_stays_loaded_and_retry_restarts_it() -> None:
     retried, events = decide(spec(), st, replace(READY, action="retry"), None, T0 + 60)
     assert retried.phase == Phase.PROGRESSING and retried.weights == {"v2": 10, "v1": 90}
     assert retried.current_step == 0 and retried.failures == 0
+    assert retried.abort_reason is None and retried.rolled_back_at is None  # the new attempt has not failed
     assert reasons(events) == ["RolloutRetried", "StepStarted"]
 
 

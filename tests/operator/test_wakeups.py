@@ -68,7 +68,7 @@ class FakeReconciler:
         self.count = 0
         self.done = threading.Event()
 
-    def reconcile(self, body: dict[str, Any]) -> Outcome:
+    def reconcile(self, body: dict[str, Any], fresh: bool = False) -> Outcome:
         self.count += 1
         self.done.set()
         return Outcome(self.status)
@@ -139,3 +139,43 @@ def test_a_gone_object_ends_its_loop() -> None:
         wakeups.close()
 
     asyncio.run(main())
+
+
+def _pod(name: str, rv: int, owner: str = "scorer") -> dict[str, Any]:
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}",
+                                        "resourceVersion": str(rv), "labels": {"mnnrollout.io/modeldeployment": owner}}}
+
+
+class _ListingKube:
+    """A client whose list answers what the API holds, and lets a watch event land mid-list."""
+
+    def __init__(self, items: list[dict[str, Any]], during: Any = None) -> None:
+        self.items, self.during, self.lists = items, during, 0
+
+    def list(self, kind: str, namespace: str | None, selector: str | None = None) -> list[dict[str, Any]]:
+        self.lists += 1
+        if self.during is not None:
+            self.during()
+        return [dict(i) for i in self.items if i["kind"] == kind]
+
+
+def test_a_relist_drops_what_was_deleted_unwatched_and_keeps_what_a_watch_added_meanwhile() -> None:
+    from rollout_operator.ports import WatchCache
+
+    cache = WatchCache()
+    cache.sync(_ListingKube([_pod("a", 1), _pod("b", 2), _pod("c", 3, owner="other")]), None)  # type: ignore[arg-type]
+    assert {p["metadata"]["name"] for p in cache.pods("default", "scorer")} == {"a", "b"}
+    # b and c were deleted while no watch ran; d is created and its ADDED event lands during the list
+    kube = _ListingKube([_pod("a", 4)], during=lambda: cache.put_pod(_pod("d", 9)))
+    gone = cache.relist(kube, "Pod", None)  # type: ignore[arg-type]
+    assert gone == {("default", "scorer"), ("default", "other")}
+    assert {p["metadata"]["name"] for p in cache.pods("default", "scorer")} == {"a", "d"}
+    assert cache.pods("default", "other") == []
+    assert cache.pods("default", "scorer")[0]["metadata"]["resourceVersion"] == "4"  # the listed state
+    # a burst of listing events asks for one list: the kind was just listed
+    assert not cache.needs_relist("Pod") and cache.needs_relist("Pod", grace=0.0)
+    # an older version from the list never replaces a newer one a watch delivered
+    cache.put_pod(_pod("a", 10))
+    cache.relist(_ListingKube([_pod("a", 5), _pod("d", 9)]), "Pod", None)  # type: ignore[arg-type]
+    assert {p["metadata"]["name"]: p["metadata"]["resourceVersion"]
+            for p in cache.pods("default", "scorer")} == {"a": "10", "d": "9"}
