@@ -63,6 +63,7 @@ bench: bench-deps system-deps
 	$(BIN)/python bench/ppocr.py
 	$(BIN)/python bench/weight_propagation.py
 	$(BIN)/python bench/rollback_latency.py
+	$(BIN)/python bench/routing_moves.py
 	$(BIN)/python bench/operator_scale.py
 
 clean:

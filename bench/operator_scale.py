@@ -262,8 +262,14 @@ def run(n: int, in_flight: int, idle_window: float, models: Path, workdir: Path,
             traffic.stop()
         if runtime is not None:
             runtime.stop()
+        stopping = time.monotonic()
         operator.terminate()
-        operator.wait(timeout=30)
+        try:
+            operator.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+            operator.wait()
+        result["stop_s"] = time.monotonic() - stopping  # SIGTERM to exit (60: killed)
         emulator.terminate()
         emulator.wait(timeout=30)
     return result

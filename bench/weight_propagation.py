@@ -34,8 +34,8 @@ TARGET = 2.0
 
 def probe_keys(a: dict[str, int], b: dict[str, int], n: int = 20) -> dict[str, str]:
     """Keys that route differently under the two weight tables, with their version under ``b``."""
-    ta = RoutingTable.build("scorer", ["v1", "v2"], a, "v1")
-    tb = RoutingTable.build("scorer", ["v1", "v2"], b, "v1")
+    ta = RoutingTable.build("scorer", a, "v1")
+    tb = RoutingTable.build("scorer", b, "v1", previous=ta)
     out = {}
     for i in range(100_000):
         key = f"user-{i}"

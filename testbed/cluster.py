@@ -133,6 +133,17 @@ class Cluster:
         assert status == 200, body
         return dict(yaml.safe_load(body["data"]["runtime.yaml"])["weights"])
 
+    def published_table(self, name: str = "scorer") -> Any:
+        """The bucket table the routing ConfigMap publishes (what every pod must serve)."""
+        from mnn_rollout.contract.config import parse_config_text
+        from mnn_rollout.contract.routing import RoutingTable
+
+        status, body = self.emu.request("GET", f"/api/v1/namespaces/default/configmaps/{name}-routing")
+        assert status == 200, body
+        config = parse_config_text(body["data"]["runtime.yaml"])
+        assert config.routing.table is not None, "the ConfigMap publishes no table"
+        return RoutingTable.published(config.salt, config.effective_weights(), config.routing.table)
+
     def pods(self, name: str = "scorer") -> list[Any]:
         return [p for p in self.kubelet.pods(f"{name}-runtime", "default") if p.ready]
 

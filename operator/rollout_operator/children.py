@@ -8,14 +8,18 @@ rendered, so the operator writes a child only when its rendering changed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mnn_rollout.contract.config import CONFIG_KEY, RuntimeConfig, dump_config
+import yaml
+
+from mnn_rollout.contract.config import CONFIG_KEY, YAML_LOADER, RuntimeConfig, dump_config
+from mnn_rollout.contract.routing import RoutingTable, decode
 
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, cpu_quantity
 
@@ -138,7 +142,7 @@ def _yaml_maps(live: str, want: str) -> tuple[Any, Any] | None:
     import yaml
 
     try:
-        a, b = yaml.safe_load(live), yaml.safe_load(want)
+        a, b = yaml.load(live, Loader=YAML_LOADER), yaml.load(want, Loader=YAML_LOADER)
     except yaml.YAMLError:
         return None
     return (a, b) if isinstance(a, dict) and isinstance(b, dict) else None
@@ -165,17 +169,40 @@ def stamped(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def runtime_config(
-    spec: ModelDeploymentSpec, model: str, weights: Mapping[str, int], stable: str, versions: list[str]
+    spec: ModelDeploymentSpec, model: str, weights: Mapping[str, int], stable: str, versions: list[str],
+    previous: Sequence[str] | None = None,
 ) -> RuntimeConfig:
-    """The runtime config for the versions currently routed, with the effective weights."""
-    return RuntimeConfig.model_validate({
+    """The runtime config for the versions currently routed, with the effective weights and the
+    bucket table every pod serves: ``previous`` (the published one) evolved to those weights."""
+    data: dict[str, Any] = {
         "model": model,
         "versions": [spec.version(v).model_dump(exclude_none=True) for v in versions],
         "weights": {v: int(weights.get(v, 0)) for v in versions},
         "stable": stable,
         "routing": spec.routing.model_dump(exclude_none=True),
         "server": {"max_body_bytes": spec.runtime.max_body_bytes},
-    })
+    }
+    config = RuntimeConfig.model_validate(data)
+    table = RoutingTable.build(config.salt, config.effective_weights(), config.stable_version, previous)
+    data["routing"] = {**data["routing"], "table": table.encode()}
+    return RuntimeConfig.model_validate(data)
+
+
+def published_owners(configmap: Mapping[str, Any] | None) -> tuple[str, ...] | None:
+    """The bucket table a routing ConfigMap publishes (one version per bucket); None when there is
+    none or it does not parse (then the next table starts afresh from the stable version)."""
+    text = ((configmap or {}).get("data") or {}).get(CONFIG_KEY)
+    return _owners_in(text) if isinstance(text, str) else None
+
+
+@functools.lru_cache(maxsize=512)
+def _owners_in(text: str) -> tuple[str, ...] | None:
+    """(Cached: every reconcile reads the ConfigMap it wrote last, unchanged most of the time.)"""
+    try:
+        table = ((yaml.load(text, Loader=YAML_LOADER) or {}).get("routing") or {}).get("table")
+        return decode(table) if isinstance(table, Mapping) else None
+    except (ValueError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def render_configmap(target: Target, config: RuntimeConfig) -> dict[str, Any]:

@@ -34,6 +34,9 @@ class Ports(Protocol):
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         """The runtime pods of ``target`` and what each has loaded."""
 
+    def published_table(self, target: children.Target) -> tuple[str, ...] | None:
+        """The bucket table the routing ConfigMap of ``target`` publishes now (None: none yet)."""
+
 
 REJECTED = "rejected: "  # a write_children result: the API refused the child as invalid
 REPAIRED = "repaired: "  # a write_children result: fields edited by hand were put back
@@ -235,6 +238,12 @@ class ClusterPorts:
         # PUT, not a merge patch: a merge patch would keep map keys (weights) that were removed;
         # the body's resourceVersion makes a concurrent writer's change a 409, retried later.
         self.kube.replace({**body, "status": status}, subresource="status")
+
+    def published_table(self, target: children.Target) -> tuple[str, ...] | None:
+        stub = {"kind": "ConfigMap", "metadata": {"namespace": target.namespace, "name": target.routing}}
+        live = self.cache.live(stub) if self.cache.synced else self.kube.get("ConfigMap", target.namespace,
+                                                                              target.routing)
+        return children.published_owners(live)
 
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         if self.cache.synced:

@@ -119,7 +119,7 @@ class Reconciler:
                       last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert)
 
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
-                                         routed_versions(spec, new))
+                                         routed_versions(spec, new), self.ports.published_table(target))
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         first = not (body.get("status") or {}).get("observedGeneration")
         new = self._rejected(new, written, now)

@@ -46,8 +46,9 @@ class Snapshot:
 
     config: RuntimeConfig
     versions: dict[str, VersionState]
-    table: RoutingTable
+    table: RoutingTable  # what requests are routed by: ``base`` with unloaded versions sent to a fallback
     weights: dict[str, int] = field(default_factory=dict)
+    base: RoutingTable | None = None  # the table as published or evolved, the next one's starting point
 
     def version(self, name: str) -> VersionState:
         state = self.versions.get(name)
@@ -66,6 +67,16 @@ class Snapshot:
         by the supervisor: a replacement worker is moments away)."""
         return all(self.versions[name].ready or self.versions[name].state == PENDING
                    for name, w in self.weights.items() if w > 0)
+
+
+def next_table(config: RuntimeConfig, previous: RoutingTable | None) -> RoutingTable:
+    """The table ``config`` publishes (the operator's), else the ``previous`` one evolved to its
+    weights (file-config mode: users move only between versions whose weight changed)."""
+    weights = config.effective_weights()
+    if config.routing.table is not None:
+        return RoutingTable.published(config.salt, weights, config.routing.table)
+    before = previous if previous is not None and previous.salt == config.salt else None
+    return RoutingTable.build(config.salt, weights, config.stable_version, before)
 
 
 def same_file(a: VersionSpec, b: VersionSpec) -> bool:
@@ -106,7 +117,9 @@ class Registry:
             else:
                 versions[spec.name] = self._load(spec, old)
         weights = config.effective_weights()
-        table = RoutingTable.build(config.salt, [v.name for v in config.versions], weights, config.stable_version)
+        current = getattr(self, "snapshot", None)  # None while the first snapshot is built
+        base = next_table(config, current.base if current is not None else None)
+        table = base
         unavailable = {name for name, v in versions.items() if not v.ready}
         fallback = self._fallback(config, versions, weights)
         if unavailable and fallback is not None:
@@ -117,7 +130,7 @@ class Registry:
             )
         for name in set(previous) - set(versions):
             self.metrics.forget_version(name)
-        return Snapshot(config=config, versions=versions, table=table, weights=weights)
+        return Snapshot(config=config, versions=versions, table=table, weights=weights, base=base)
 
     def _load(self, spec: VersionSpec, old: VersionState | None) -> VersionState:
         path = spec.path(self.base_dir)

@@ -24,7 +24,7 @@ from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
-from .registry import Registry, same_file
+from .registry import Registry, next_table, same_file
 from .fastpath import InferFastPath
 from .workers_channel import CONFIG_MESSAGE, MAX_CONFIG_BYTES
 from .rest import create_app
@@ -128,7 +128,14 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         runtime.registry.load_new = False  # a worker never loads: the supervisor does, once
         serve(runtime, host, port, log_level, channel=channel, grpc_port=grpc_port, ready_fd=ready_fd)
 
+    published = [runtime.registry.snapshot.base]
+
     def offer(config: RuntimeConfig) -> None:
+        # Without a published table the supervisor evolves it and sends it along: every worker
+        # (a replacement forked later, one that missed a change) then serves the same table.
+        table = published[0] = next_table(config, published[0])
+        if config.routing.table is None:
+            config = config.model_copy(update={"routing": config.routing.model_copy(update={"table": table.encode()})})
         supervisor.offer(config, dump_config(config).encode())
 
     def apply(config: RuntimeConfig) -> bool:

@@ -143,8 +143,8 @@ def test_a_deployment_runs_as_processes_on_distinct_loopback_ips_with_ready_pod_
 
 def test_a_configmap_weight_patch_reaches_every_pod_within_seconds(running, models, http):
     emu, kubelet = running
-    before = RoutingTable.build('scorer', ['v1', 'v2'], {'v1': 90, 'v2': 10}, 'v1')
-    after = RoutingTable.build('scorer', ['v1', 'v2'], {'v1': 70, 'v2': 30}, 'v1')
+    before = RoutingTable.build('scorer', {'v1': 90, 'v2': 10}, 'v1')
+    after = RoutingTable.build('scorer', {'v1': 70, 'v2': 30}, 'v1')
     movers = [u for u in USERS if before.route(u) != after.route(u)][:20]
     stayers = [u for u in USERS if before.route(u) == after.route(u)][:20]
     assert len(movers) == 20 and len(stayers) == 20

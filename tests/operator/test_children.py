@@ -123,3 +123,28 @@ def test_drift_names_the_rendered_fields_edited_and_ignores_the_rest() -> None:
     assert children.drift(edited, cm) == ["data[runtime.yaml].weights.v1", "data[runtime.yaml].weights.v2"]
     edited["data"]["runtime.yaml"] = "not: [yaml"
     assert children.drift(edited, cm) == ["data[runtime.yaml]"]
+
+
+def test_the_configmap_publishes_a_table_evolved_from_the_one_it_published_before() -> None:
+    """Every pod serves the table in the ConfigMap; the next one is evolved from it, so a version
+    whose weight did not change keeps its users and each canary draws its own."""
+    from collections import Counter
+
+    three = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}, {"name": "v2", "uri": "/m/v2.mnn"},
+                                     {"name": "v3", "uri": "/m/v3.mnn"}]})
+    first = children.runtime_config(three, "scorer", {"v1": 80, "v2": 10, "v3": 10}, "v1", ["v1", "v2", "v3"])
+    cm = children.render_configmap(TARGET, first)
+    before = children.published_owners(cm)
+    assert before is not None and Counter(before) == {"v1": 8000, "v2": 1000, "v3": 1000}
+    second = children.runtime_config(three, "scorer", {"v1": 70, "v2": 20, "v3": 10}, "v1", ["v1", "v2", "v3"],
+                                     previous=before)
+    after = children.published_owners(children.render_configmap(TARGET, second))
+    assert after is not None and Counter(after) == {"v1": 7000, "v2": 2000, "v3": 1000}
+    assert {(a, b) for a, b in zip(before, after) if a != b} == {("v1", "v2")}  # only stable -> v2 moved
+    # the same weights again publish the same table: no write, no drift
+    again = children.runtime_config(three, "scorer", {"v1": 70, "v2": 20, "v3": 10}, "v1", ["v1", "v2", "v3"],
+                                    previous=after)
+    assert children.render_configmap(TARGET, again) == children.render_configmap(TARGET, second)
+    # a table that does not parse (edited by hand) is no history: the next one starts from stable
+    broken = {"data": {"runtime.yaml": "routing: {table: {versions: [v1], buckets: '@@'}}"}}
+    assert children.published_owners(broken) is None and children.published_owners(None) is None

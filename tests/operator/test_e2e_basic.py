@@ -76,10 +76,14 @@ def ready_cluster(cluster: Cluster, **spec: object) -> list:  # type: ignore[typ
 
 def test_patched_weights_reach_every_pod_within_seconds(cluster: Cluster) -> None:
     pods = ready_cluster(cluster)
-    table = RoutingTable.build("scorer", ["v1", "v2"], {"v1": 70, "v2": 30}, "v1")
+    before = cluster.published_table()
     probe = KEYS[:100]
     started = time.monotonic()
     cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":70,"v2":30}}}')
+    table = wait_for(lambda: (t := cluster.published_table()).weights == {"v1": 70, "v2": 30} and t, 20,
+                     "the ConfigMap publishes the new table")
+    # the published table is the old one evolved: only stable's users moved, to the canary
+    assert {(a, b) for a, b in zip(before.owners, table.owners) if a != b} == {("v1", "v2")}
     wait_for(lambda: all(served(p, probe) == {k: table.route(k) for k in probe} for p in pods), 20,
              "every pod routing by the new weights", interval=0.05)
     took = time.monotonic() - started
@@ -143,7 +147,7 @@ def test_a_version_whose_file_is_missing_is_not_ready_and_gets_no_traffic(cluste
     assert cond["message"].startswith("v3: scorer-runtime-")
     wait_for(lambda: cluster.configmap_weights() == {"v1": 80, "v2": 20, "v3": 0}, 30, "v2 applied, v3 held at 0")
     pods = cluster.wait_ready()
-    table = RoutingTable.build("scorer", ["v2", "v3", "v1"], {"v1": 80, "v2": 20, "v3": 0}, "v1")
+    table = RoutingTable.build("scorer", {"v1": 80, "v2": 20, "v3": 0}, "v1")
     for pod in pods:
         routes = served(pod, KEYS[:300])
         assert "v3" not in routes.values()

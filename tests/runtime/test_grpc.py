@@ -173,7 +173,7 @@ def test_pinned_infer_matches_mnn_exactly(served: Served, models: dict[str, Load
 
 
 def test_routed_infer_follows_the_routing_table(served: Served) -> None:
-    table = RoutingTable.build("scorer", ["v1", "v2"], {"v1": 90, "v2": 10}, "v1")
+    table = RoutingTable.build("scorer", {"v1": 90, "v2": 10}, "v1")
     inp = triton_input(features(1))
     keys = [f"user-{i}" for i in range(50)]
     got = [served.client.infer("scorer", [inp], headers={"x-user-id": k}).get_response().model_version for k in keys]

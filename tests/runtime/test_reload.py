@@ -27,7 +27,7 @@ def routes(client: httpx.Client, keys: list[str] = KEYS) -> dict[str, str]:
 
 
 def expected(weights: dict[str, int], keys: list[str] = KEYS) -> dict[str, str]:
-    table = RoutingTable.build("scorer", list(weights), weights, "v1")
+    table = RoutingTable.build("scorer", weights, "v1")  # from stable: the path does not matter with one canary
     return {k: table.route(k) for k in keys}
 
 
@@ -80,7 +80,8 @@ def test_a_version_added_live_is_loaded_before_it_takes_traffic(model_dir: Path,
                "weights": {"v1": 50, "v2": 0, "v3": 50}}
         write(model_dir / "runtime.yaml", new)
         wait_for(lambda: client.get("/v2/models/scorer/versions/v3/ready").status_code == 200, timeout=20)
-        table = RoutingTable.build("scorer", ["v1", "v2", "v3"], new["weights"], "v1")
+        before = RoutingTable.build("scorer", config["weights"], "v1")  # what it served: evolved from there
+        table = RoutingTable.build("scorer", new["weights"], "v1", previous=before)
         want = {k: table.route(k) for k in KEYS}
         wait_for(lambda: routes(client) == want, timeout=10)
     assert set(traffic.statuses()) == {200}, traffic.statuses()

@@ -88,7 +88,7 @@ def test_a_failed_version_names_its_file_and_refuses_pinned_traffic_with_503(cli
 
 
 def test_requests_are_routed_by_the_user_key_header_and_name_their_version(client: httpx.Client) -> None:
-    table = RoutingTable.build("scorer", ["v1", "v2"], {"v1": 90, "v2": 10}, "v1")
+    table = RoutingTable.build("scorer", {"v1": 90, "v2": 10}, "v1")
     for i in range(60):
         key = f"user-{i}"
         r = client.post(INFER, json=body(), headers={"X-User-Id": key})

@@ -97,7 +97,7 @@ def test_new_weights_reach_every_worker(server: RuntimeServer, model_dir: Path) 
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
     config["weights"] = {"v1": 40, "v2": 60}
     _write(model_dir, config)
-    table = RoutingTable.build("scorer", ["v1", "v2"], {"v1": 40, "v2": 60}, "v1")
+    table = RoutingTable.build("scorer", {"v1": 40, "v2": 60}, "v1")
     keys = [f"user-{i}" for i in range(100)]
 
     def routed() -> bool:
@@ -328,3 +328,44 @@ def test_a_version_removed_while_serving_fails_no_request(server: RuntimeServer,
     assert set(traffic.statuses()) == {200}, traffic.statuses()
     versions = traffic.versions()
     assert versions["v2"] > 0 and versions["v1"] > before  # v2 served, then its keys went to v1
+
+
+def test_every_worker_serves_the_table_the_supervisor_evolved_and_unchanged_versions_keep_their_users(
+        model_dir: Path, tmp_path: Path) -> None:
+    """Three versions, v2 raised from 10 to 20% while v3 stays at 10%: v3's users never move, and
+    every worker (the ones forked at start and one forked after a crash) routes every key alike."""
+    config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
+    config["versions"].append({"name": "v3", "uri": config["versions"][1]["uri"]})
+    config["weights"] = {"v1": 80, "v2": 10, "v3": 10}
+    _write(model_dir, config)
+    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "table.log", extra_args=["--workers", "2"])
+    srv.start()
+    try:
+        assert srv.proc is not None
+        keys = [f"user-{i}" for i in range(300)]
+
+        def routes() -> dict[str, str]:  # a new connection per request: dealt to both workers in turn
+            return {k: httpx.post(srv.url + INFER, json=BODY, headers={"X-User-Id": k}).headers["x-model-version"]
+                    for k in keys}
+
+        first = RoutingTable.build("scorer", config["weights"], "v1")
+        assert routes() == {k: first.route(k) for k in keys}
+        config["weights"] = {"v1": 70, "v2": 20, "v3": 10}
+        _write(model_dir, config)
+        second = RoutingTable.build("scorer", config["weights"], "v1", previous=first)
+        deadline = time.monotonic() + 10
+        while (got := routes()) != {k: second.route(k) for k in keys}:
+            assert time.monotonic() < deadline, "workers did not all apply the evolved table"
+            time.sleep(0.1)
+        assert all(got[k] == "v3" for k in keys if first.route(k) == "v3")  # v3's users stayed
+        os.kill(children(srv.proc.pid)[0], signal.SIGKILL)  # its replacement is forked from the supervisor
+        deadline = time.monotonic() + 20
+        while len(children(srv.proc.pid)) != 2:
+            assert time.monotonic() < deadline, "no replacement worker"
+            time.sleep(0.1)
+        wait_until = time.monotonic() + 10
+        while routes() != got:
+            assert time.monotonic() < wait_until, "the replacement worker serves another table"
+            time.sleep(0.2)
+    finally:
+        srv.stop()

@@ -15,7 +15,11 @@ from urllib.parse import unquote, urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from .routing import RoutingTable
 
+# libyaml's safe loader and dumper where PyYAML has them (several times faster; the same documents)
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
@@ -122,6 +126,11 @@ class RoutingSpec(_Strict):
         default="user_id", description="OIP request parameter used as the key when the header is absent."
     )
     salt: str | None = Field(default=None, description="Hash salt; defaults to the model name.")
+    table: dict[str, Any] | None = Field(
+        default=None,
+        description="The bucket table the operator publishes ({versions, buckets}: see contract.routing.encode); "
+                    "without it the runtime evolves its own from the weights.",
+    )
 
     @field_validator("header")
     @classmethod
@@ -165,6 +174,8 @@ class RuntimeConfig(_Strict):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RuntimeConfig:
         check_versions(self.versions, self.weights, {"stable": self.stable})
+        if self.routing.table is not None:
+            RoutingTable.published(self.salt, self.effective_weights(), self.routing.table)  # ValueError: refused
         return self
 
     @property
@@ -239,7 +250,7 @@ def parse_config(data: Any) -> RuntimeConfig:
 
 def parse_config_text(text: str) -> RuntimeConfig:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=YAML_LOADER)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: not valid YAML: {exc}") from None
     return parse_config(data)
@@ -255,4 +266,4 @@ def load_config_file(path: str | Path) -> RuntimeConfig:
 
 def dump_config(config: RuntimeConfig) -> str:
     """YAML text of a config, as the operator writes it into the ConfigMap."""
-    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    return yaml.dump(config.model_dump(mode="json", exclude_none=True), Dumper=YAML_DUMPER, sort_keys=False)

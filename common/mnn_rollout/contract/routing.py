@@ -1,18 +1,35 @@
 """hash(salt, key) -> bucket -> version. Pure: no I/O, no clock, no process-local state.
 
 The routing contract, the same in every pod, across restarts and machines:
+
 - 10,000 buckets; ``bucket = int.from_bytes(sha256(salt + "\\0" + key)[:8], "big") % 10000``
-  (never Python's ``hash()``, which changes per process).
-- Non-stable versions own the lowest buckets, one range after another in the order they are
-  listed in the config; the stable version owns the remaining top buckets. With one canary it owns
-  ``[0, w_canary)``, so raising its weight only moves users from stable to the canary.
-- No key: a uniformly random bucket, i.e. weighted random.
+  (never Python's ``hash()``, which changes per process). No key: a uniformly random bucket.
+- A table gives every bucket to a version. A new table is evolved from the previous one
+  (``evolve``), and between the two:
+
+  1. exact weights: each version owns ``weight x 100`` buckets;
+  2. monotone: a bucket changes version only from a version whose weight fell to one whose
+     weight rose; a version whose weight is unchanged keeps exactly its buckets, with any number
+     of versions;
+  3. fresh users per version: a version whose weight rises takes its new buckets from those the
+     falling versions give up in ITS OWN pseudo-random order (seeded by the salt and its name),
+     so successive canaries draw independent sets of users from stable (overlap about w1 x w2),
+     and a canary that rises keeps what it had and takes more in the same order;
+  4. identical everywhere: the table is a function of the previous table and the new weights, and
+     a table can be carried in the runtime config (``encode``/``decode``), which the operator does,
+     so that every pod serves the one it published.
+
+  With no previous table, every bucket starts as the stable version's.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
 import random
+import zlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,11 +43,70 @@ def bucket_of(salt: str, key: str) -> int:
     return int.from_bytes(digest[:8], "big") % BUCKETS
 
 
-@dataclass(frozen=True)
-class BucketRange:
-    version: str
-    start: int
-    stop: int  # exclusive
+@functools.lru_cache(maxsize=256)
+def draw_order(salt: str, version: str) -> tuple[int, ...]:
+    """Every bucket, in the order ``version`` takes them: by sha256(salt, version, bucket)."""
+    def rank(bucket: int) -> bytes:
+        return hashlib.sha256(f"{salt}\0{version}\0{bucket}".encode()).digest()[:8]
+
+    return tuple(sorted(range(BUCKETS), key=rank))
+
+
+def evolve(owners: Sequence[str] | None, weights: Mapping[str, int], stable: str, salt: str) -> tuple[str, ...]:
+    """The next table: ``owners`` (one version per bucket; None: all ``stable``'s) moved to
+    ``weights`` (percentages summing to 100) by the rules in this module's docstring."""
+    if sum(weights.values()) != 100 or any(w < 0 for w in weights.values()):
+        raise ValueError(f"weights {dict(weights)} must be 0-100 and sum to 100")
+    new = list(owners) if owners is not None else [stable] * BUCKETS
+    if len(new) != BUCKETS:
+        raise ValueError(f"a routing table has {BUCKETS} buckets, not {len(new)}")
+    have = Counter(new)
+    excess = {v: n - weights.get(v, 0) * PER_PERCENT for v, n in have.items()
+              if n > weights.get(v, 0) * PER_PERCENT}
+    growers = sorted((v for v, w in weights.items() if w * PER_PERCENT > have.get(v, 0)))
+    for version in growers:
+        need = weights[version] * PER_PERCENT - have.get(version, 0)
+        for bucket in draw_order(salt, version):
+            if need == 0:
+                break
+            owner = new[bucket]
+            if excess.get(owner, 0) > 0:
+                new[bucket] = version
+                excess[owner] -= 1
+                need -= 1
+    return tuple(new)
+
+
+def encode(owners: Sequence[str]) -> dict[str, object]:
+    """A table as it goes into the runtime config: the versions, and one byte per bucket (the
+    index of its version), zlib-compressed and base64-encoded (a few KB)."""
+    return dict(_encoded(tuple(owners)))
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded(owners: tuple[str, ...]) -> tuple[tuple[str, object], ...]:
+    names = sorted(set(owners))
+    if len(names) > 255:
+        raise ValueError("a routing table holds at most 255 versions")
+    index = {n: i for i, n in enumerate(names)}
+    raw = bytes(index[v] for v in owners)
+    return (("versions", names), ("buckets", base64.b64encode(zlib.compress(raw, 6)).decode()))
+
+
+def decode(table: Mapping[str, object]) -> tuple[str, ...]:
+    """The inverse of ``encode``; ValueError naming what is wrong."""
+    names = table.get("versions")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("routing.table.versions: must be a list of version names")
+    try:
+        raw = zlib.decompress(base64.b64decode(str(table.get("buckets", "")), validate=True))
+    except (ValueError, zlib.error) as exc:
+        raise ValueError(f"routing.table.buckets: not zlib-compressed base64 ({exc})") from None
+    if len(raw) != BUCKETS:
+        raise ValueError(f"routing.table.buckets: {len(raw)} buckets, must be {BUCKETS}")
+    if max(raw) >= len(names):
+        raise ValueError(f"routing.table.buckets: version index {max(raw)} but only {len(names)} versions")
+    return tuple(names[i] for i in raw)
 
 
 @dataclass(frozen=True)
@@ -38,33 +114,29 @@ class RoutingTable:
     """An immutable routing decision table; swap the whole object to change weights."""
 
     salt: str
-    ranges: tuple[BucketRange, ...]
+    owners: tuple[str, ...]  # the version of each bucket
     weights: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
-    def build(
-        cls, salt: str, order: Sequence[str], weights: Mapping[str, int], stable: str
-    ) -> RoutingTable:
-        """Lay out bucket ranges: non-stable versions in ``order`` from 0 up, stable on top."""
-        if sum(weights.values()) != 100:
-            raise ValueError(f"weights {dict(weights)} must sum to 100")
-        ranges: list[BucketRange] = []
-        start = 0
-        for name in order:
-            if name == stable or weights.get(name, 0) == 0:
-                continue
-            stop = start + weights[name] * PER_PERCENT
-            ranges.append(BucketRange(name, start, stop))
-            start = stop
-        if start < BUCKETS:
-            ranges.append(BucketRange(stable, start, BUCKETS))
-        return cls(salt=salt, ranges=tuple(ranges), weights=dict(weights))
+    def build(cls, salt: str, weights: Mapping[str, int], stable: str,
+              previous: RoutingTable | Sequence[str] | None = None) -> RoutingTable:
+        """The table for ``weights``, evolved from ``previous`` (a table, its owners, or None)."""
+        before = previous.owners if isinstance(previous, RoutingTable) else previous
+        return cls(salt=salt, owners=evolve(before, weights, stable, salt), weights=dict(weights))
+
+    @classmethod
+    def published(cls, salt: str, weights: Mapping[str, int], table: Mapping[str, object]) -> RoutingTable:
+        """A table carried in the config; ValueError unless it gives every version its weight."""
+        owners = decode(table)
+        counts = Counter(owners)
+        for version in set(counts) | {v for v, w in weights.items() if w}:
+            if counts.get(version, 0) != weights.get(version, 0) * PER_PERCENT:
+                raise ValueError(f"routing.table: {version} owns {counts.get(version, 0)} buckets but its weight"
+                                 f" is {weights.get(version, 0)} ({weights.get(version, 0) * PER_PERCENT} buckets)")
+        return cls(salt=salt, owners=owners, weights=dict(weights))
 
     def version_for_bucket(self, bucket: int) -> str:
-        for r in self.ranges:
-            if bucket < r.stop:
-                return r.version
-        return self.ranges[-1].version
+        return self.owners[bucket]
 
     def route(self, key: str | None, rng: random.Random | None = None) -> str:
         """The version serving ``key``; without a key, a weighted random one."""
@@ -72,14 +144,14 @@ class RoutingTable:
             bucket = (rng or random).randrange(BUCKETS)
         else:
             bucket = bucket_of(self.salt, key)
-        return self.version_for_bucket(bucket)
+        return self.owners[bucket]
 
     def without(self, unavailable: set[str], fallback: str) -> RoutingTable:
-        """The same layout with the ranges of unavailable versions served by ``fallback``."""
-        if not unavailable & {r.version for r in self.ranges}:
+        """The same table with the buckets of unavailable versions served by ``fallback``."""
+        if not unavailable & set(self.owners):
             return self
-        ranges = tuple(
-            BucketRange(fallback if r.version in unavailable else r.version, r.start, r.stop)
-            for r in self.ranges
-        )
-        return RoutingTable(salt=self.salt, ranges=ranges, weights=self.weights)
+        owners = tuple(fallback if v in unavailable else v for v in self.owners)
+        return RoutingTable(salt=self.salt, owners=owners, weights=self.weights)
+
+    def encode(self) -> dict[str, object]:
+        return encode(self.owners)

@@ -79,6 +79,9 @@ class LocalPorts:
         self.body["status"] = copy.deepcopy(status)
         self.body["metadata"]["resourceVersion"] = str(next(self._versions))
 
+    def published_table(self, target: children.Target) -> tuple[str, ...] | None:
+        return children.published_owners(self.children.get(f"ConfigMap/{target.routing}"))
+
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         if self.url is None:
             return Observation([])

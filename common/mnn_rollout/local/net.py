@@ -27,11 +27,22 @@ def require_loopback(host: str) -> str:
     return host
 
 
+_HANDED_OUT: dict[int, None] = {}  # ports this process was given, oldest first (bounded)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on right now (the OS picks it), and not one this process was given
+    before: two calls in a row may otherwise get the same port back before either is bound."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT[port] = None
+    while len(_HANDED_OUT) > 4096:
+        del _HANDED_OUT[next(iter(_HANDED_OUT))]
+    return port
 
 
 class WaitTimeout(AssertionError):
