@@ -25,8 +25,9 @@ from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, cpu_quantity
 
 GROUP = "mnnrollout.io"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
-VERSIONS_ANNOTATION = f"{GROUP}/versions-hash"
 OWNER_LABEL = f"{GROUP}/modeldeployment"
+PRESTOP_SECONDS = 5  # a terminating runtime pod keeps serving this long while endpoints drop it
+DRAIN_SECONDS = 15  # then the runtime's graceful shutdown (10 s for requests in flight) and a margin
 RUNTIME_UID = 65532
 DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
 
@@ -234,7 +235,6 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
     pod_labels = {**rt.pod_labels, **labels(target)}
     annotations = {
         **rt.pod_annotations,
-        VERSIONS_ANNOTATION: config.version_set_digest(),
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(rt.port),
         "prometheus.io/path": "/metrics",
@@ -264,6 +264,9 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
             "capabilities": {"drop": ["ALL"]},
         },
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *rt.volume_mounts],
+        # Endpoints take a moment to drop a terminating pod: keep serving meanwhile, then SIGTERM
+        # stops accepting and finishes what is in flight (within the grace period below).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
     }
     if rt.image_pull_policy:
         container["imagePullPolicy"] = rt.image_pull_policy
@@ -277,7 +280,7 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
             "fsGroup": RUNTIME_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": PRESTOP_SECONDS + DRAIN_SECONDS,
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, *rt.volumes],
     }

@@ -54,11 +54,24 @@ def test_a_weight_change_rewrites_the_configmap_but_does_not_roll_the_pods() -> 
     assert a["Deployment"] == b["Deployment"]
 
 
-def test_a_version_change_rolls_the_pods() -> None:
-    a, b = render({"v1": 100}), render({"v1": 100}, ["v1"])
-    key = children.VERSIONS_ANNOTATION
-    assert a["Deployment"]["spec"]["template"]["metadata"]["annotations"][key] != \
-        b["Deployment"]["spec"]["template"]["metadata"]["annotations"][key]
+def test_adding_or_retiring_a_version_goes_through_the_configmap_and_never_rolls_the_pods() -> None:
+    """The pods load and unload versions in place from the ConfigMap: the template changes only for
+    what needs a restart (image, resources, workers, volumes)."""
+    one, two = render({"v1": 100}, ["v1"]), render({"v1": 90, "v2": 10})
+    assert one["ConfigMap"]["data"] != two["ConfigMap"]["data"]
+    assert one["Deployment"] == two["Deployment"]
+
+
+def test_a_pod_that_rolls_drains_first() -> None:
+    """preStop keeps a terminating pod serving while endpoints drop it; then SIGTERM stops accepting
+    and finishes what is in flight within the grace period; a roll never takes a pod away first."""
+    deployment = render({"v1": 100})["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop == ["sleep", str(children.PRESTOP_SECONDS)]
+    assert pod["terminationGracePeriodSeconds"] == children.PRESTOP_SECONDS + children.DRAIN_SECONDS
+    assert pod["terminationGracePeriodSeconds"] > children.PRESTOP_SECONDS + 10  # the runtime drains 10 s
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def test_the_runtime_may_read_only_its_own_configmap() -> None:
