@@ -60,6 +60,7 @@ FAULTS = ("operator-kill", "pod-delete", "pod-kill", "api-409", "api-429", "api-
 CHILD_KINDS = {"configmaps": "ConfigMap", "services": "Service", "serviceaccounts": "ServiceAccount"}
 CHILD_PATHS = {**{f"/api/v1/namespaces/{NS}/{p}": k for p, k in CHILD_KINDS.items()},
                f"/apis/apps/v1/namespaces/{NS}/deployments": "Deployment",
+               f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets": "PodDisruptionBudget",
                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles": "Role",
                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings": "RoleBinding"}
 

@@ -335,6 +335,17 @@ def render_rbac(target: Target) -> list[dict[str, Any]]:
     ]
 
 
+def render_pdb(target: Target) -> dict[str, Any]:
+    """At most one runtime pod away at a time by voluntary disruption (a node drain): with one
+    replica that still lets a drain through, with more it keeps the rest serving."""
+    return stamped({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(target, target.runtime),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(target)}},
+    })
+
+
 def render_all(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
                default_image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
     """Every child, in creation order (RBAC before the pods that need it)."""
@@ -343,4 +354,5 @@ def render_all(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
         render_configmap(target, config),
         render_deployment(target, spec, config, default_image),
         render_service(target, spec),
+        render_pdb(target),
     ]

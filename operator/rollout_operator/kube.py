@@ -54,6 +54,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "ModelDeployment": ("/apis/mnnrollout.io/v1alpha1", "modeldeployments"),

@@ -57,7 +57,8 @@ def _older(body: dict[str, Any], held: dict[str, Any] | None) -> bool:
 
 
 # Kinds the cache holds: the runtime pods and every kind of child, selected by the owner label.
-SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding")
+SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding",
+                "PodDisruptionBudget")
 RELIST_GRACE = 5.0  # a kind listed this recently is not listed again for a watch's re-list
 
 

@@ -116,7 +116,8 @@ class Reconciler:
         new, events = decide(spec, status, world, analysis, now)
         new = replace(new, versions=[observation.version(spec.version(v)).as_status()
                                      for v in routed_versions(spec, new)],
-                      last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert)
+                      last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert,
+                      selector=children.selector_text(target))
 
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new), self.ports.published_table(target))

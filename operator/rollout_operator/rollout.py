@@ -329,7 +329,7 @@ def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: li
 def _readiness(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: float) -> RolloutStatus:
     routed = routed_versions(spec, st)
     unready = [v for v in routed if not world.ready(v)]
-    st = replace(st, ready_text=f"{world.ready_pods}/{world.desired_pods}")
+    st = replace(st, ready_text=f"{world.ready_pods}/{world.desired_pods}", replicas=world.ready_pods)
     if unready:
         detail = "; ".join(f"{v}: {world.reasons.get(v, 'not loaded yet')}" for v in unready)
         st = with_condition(st, "VersionsReady", "False", "VersionNotReady", detail, now)

@@ -49,6 +49,8 @@ _KEYS: dict[str, tuple[str, str]] = {
     "total_steps": ("totalSteps", "plain"),
     "step_text": ("stepText", "plain"),
     "ready_text": ("readyText", "plain"),
+    "replicas": ("replicas", "plain"),
+    "selector": ("selector", "plain"),
     "step_started_at": ("stepStartedAt", "time"),
     "rollout_started_at": ("rolloutStartedAt", "time"),
     "promoted_at": ("promotedAt", "time"),
@@ -83,6 +85,8 @@ class RolloutStatus:
     total_steps: int = 0
     step_text: str = ""
     ready_text: str = ""
+    replicas: int = 0  # ready runtime pods: the scale subresource's status.replicas
+    selector: str = ""  # the runtime pods' label selector: the scale subresource's selector
     step_started_at: float | None = None
     rollout_started_at: float | None = None
     promoted_at: float | None = None

@@ -195,7 +195,8 @@ def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[
 # Built-in kinds whose writes are checked against the upstream OpenAPI schema, as an API server
 # does (unknown fields are dropped by a server, not refused: strict=False). Pods are left out: the
 # kubelet stand-in writes them often, and the operator never does.
-BUILTIN_VALIDATED = {'ConfigMap', 'Service', 'ServiceAccount', 'Deployment', 'Role', 'RoleBinding'}
+BUILTIN_VALIDATED = {'ConfigMap', 'Service', 'ServiceAccount', 'Deployment', 'Role', 'RoleBinding',
+                     'PodDisruptionBudget'}
 KUBERNETES_VERSION = '1.30'
 
 

@@ -160,6 +160,7 @@ PROJECT_CRD = ROOT / 'crds' / 'modeldeployment.yaml'
 def test_the_project_crd_is_served_and_kubectl_resolves_md(k8s_emulator_factory):
     emu = k8s_emulator_factory(crds=[PROJECT_CRD])
     doc = ok(emu.request('GET', '/apis/mnnrollout.io/v1alpha1'))
-    assert {r['name'] for r in doc['resources']} == {'modeldeployments', 'modeldeployments/status'}
+    assert {r['name'] for r in doc['resources']} == {'modeldeployments', 'modeldeployments/status',
+                                                     'modeldeployments/scale'}
     header = emu.kubectl('get', 'md').stderr + emu.kubectl('get', 'modeldeployments').stderr
     assert 'No resources found' in header

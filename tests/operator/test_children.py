@@ -23,7 +23,8 @@ def test_every_child_is_named_labelled_and_owned() -> None:
     objs = render({"v1": 100})
     names = {k: o["metadata"]["name"] for k, o in objs.items()}
     assert names == {"ServiceAccount": "scorer-runtime", "Role": "scorer-runtime", "RoleBinding": "scorer-runtime",
-                     "ConfigMap": "scorer-routing", "Deployment": "scorer-runtime", "Service": "scorer"}
+                     "ConfigMap": "scorer-routing", "Deployment": "scorer-runtime", "Service": "scorer",
+                     "PodDisruptionBudget": "scorer-runtime"}
     for obj in objs.values():
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
@@ -60,6 +61,12 @@ def test_adding_or_retiring_a_version_goes_through_the_configmap_and_never_rolls
     one, two = render({"v1": 100}, ["v1"]), render({"v1": 90, "v2": 10})
     assert one["ConfigMap"]["data"] != two["ConfigMap"]["data"]
     assert one["Deployment"] == two["Deployment"]
+
+
+def test_a_disruption_budget_keeps_all_but_one_runtime_pod_through_a_drain() -> None:
+    pdb = render({"v1": 100})["PodDisruptionBudget"]
+    deployment = render({"v1": 100})["Deployment"]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
 
 
 def test_a_pod_that_rolls_drains_first() -> None:

@@ -154,3 +154,21 @@ def test_a_version_whose_file_is_missing_is_not_ready_and_gets_no_traffic(cluste
         assert routes == {k: table.route(k) for k in KEYS[:300]}
     v3 = next(v for v in cluster.status()["versions"] if v["name"] == "v3")
     assert v3["ready"] is False and "does not exist" in v3["reason"]
+
+
+def test_kubectl_scale_of_the_model_deployment_scales_its_runtime_pods(cluster: Cluster) -> None:
+    """The CRD's scale subresource: `kubectl scale md` sets spec.runtime.replicas, the pods follow,
+    and /scale reports the ready pods and their selector (what an HPA on the object reads)."""
+    import json
+
+    ready_cluster(cluster)
+    cluster.emu.kubectl("scale", "md", "scorer", "--replicas", "3")
+    assert cluster.md()["spec"]["runtime"]["replicas"] == 3
+    cluster.wait_ready(replicas=3)
+    wait_for(lambda: cluster.status().get("replicas") == 3, 60, "status.replicas 3")
+    scale = json.loads(cluster.emu.kubectl(
+        "get", "--raw", "/apis/mnnrollout.io/v1alpha1/namespaces/default/modeldeployments/scorer/scale").stdout)
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == "mnnrollout.io/modeldeployment=scorer,app.kubernetes.io/component=runtime"
+    cluster.emu.kubectl("scale", "md", "scorer", "--replicas", "1")
+    wait_for(lambda: len(cluster.pods()) == 1 and cluster.status().get("replicas") == 1, 60, "scaled down to 1")

@@ -11,7 +11,8 @@ from testbed.cluster import MD_PATH, Cluster, wait_for
 from tests.operator.test_e2e_basic import ready_cluster, served
 
 pytestmark = pytest.mark.timeout(240)
-OWNED = {"configmaps", "deployments", "services", "serviceaccounts", "roles", "rolebindings", "modeldeployments"}
+OWNED = {"configmaps", "deployments", "services", "serviceaccounts", "roles", "rolebindings", "poddisruptionbudgets",
+         "modeldeployments"}
 KEYS = [f"user-{i}" for i in range(200)]
 
 
@@ -94,6 +95,7 @@ def test_delete_removes_the_finalizer_and_garbage_collects_every_child(cluster: 
         "serviceaccounts": "/api/v1/namespaces/default/serviceaccounts/scorer-runtime",
         "roles": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/scorer-runtime",
         "rolebindings": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/scorer-runtime",
+        "poddisruptionbudgets": "/apis/policy/v1/namespaces/default/poddisruptionbudgets/scorer-runtime",
     }
     for path in children.values():
         owners = cluster.emu.request("GET", path)[1]["metadata"]["ownerReferences"]

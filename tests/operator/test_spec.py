@@ -23,7 +23,9 @@ def test_the_crd_names_scope_and_subresources() -> None:
     assert (CRD["spec"]["group"], VERSION["name"], names["kind"], names["plural"]) == (
         "mnnrollout.io", "v1alpha1", "ModelDeployment", "modeldeployments")
     assert names["shortNames"] == ["md"] and CRD["spec"]["scope"] == "Namespaced"
-    assert VERSION["subresources"] == {"status": {}}
+    assert VERSION["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.runtime.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
     columns = [c["name"] for c in VERSION["additionalPrinterColumns"]]
     assert columns == ["Phase", "Stable", "Canary", "Weight", "Step", "Ready", "Age"]
 

@@ -114,6 +114,10 @@ tests/helm/test_rbac.py checks this list against the code and that nothing else 
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
+# Children: PodDisruptionBudget <name>-runtime.
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch]
 # Children: the runtime's Role and RoleBinding.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
