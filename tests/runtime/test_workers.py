@@ -342,7 +342,7 @@ def test_every_worker_serves_the_table_the_supervisor_evolved_and_unchanged_vers
     srv.start()
     try:
         assert srv.proc is not None
-        keys = [f"user-{i}" for i in range(300)]
+        keys = [f"user-{i}" for i in range(120)]
 
         def routes() -> dict[str, str]:  # a new connection per request: dealt to both workers in turn
             return {k: httpx.post(srv.url + INFER, json=BODY, headers={"X-User-Id": k}).headers["x-model-version"]
@@ -353,7 +353,7 @@ def test_every_worker_serves_the_table_the_supervisor_evolved_and_unchanged_vers
         config["weights"] = {"v1": 70, "v2": 20, "v3": 10}
         _write(model_dir, config)
         second = RoutingTable.build("scorer", config["weights"], "v1", previous=first)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a round of new connections takes seconds on a loaded machine
         while (got := routes()) != {k: second.route(k) for k in keys}:
             assert time.monotonic() < deadline, "workers did not all apply the evolved table"
             time.sleep(0.1)
@@ -363,7 +363,7 @@ def test_every_worker_serves_the_table_the_supervisor_evolved_and_unchanged_vers
         while len(children(srv.proc.pid)) != 2:
             assert time.monotonic() < deadline, "no replacement worker"
             time.sleep(0.1)
-        wait_until = time.monotonic() + 10
+        wait_until = time.monotonic() + 60
         while routes() != got:
             assert time.monotonic() < wait_until, "the replacement worker serves another table"
             time.sleep(0.2)

@@ -129,7 +129,7 @@ class RoutingTable:
         """A table carried in the config; ValueError unless it gives every version its weight."""
         owners = decode(table)
         counts = Counter(owners)
-        for version in set(counts) | {v for v, w in weights.items() if w}:
+        for version in sorted(set(counts) | {v for v, w in weights.items() if w}):
             if counts.get(version, 0) != weights.get(version, 0) * PER_PERCENT:
                 raise ValueError(f"routing.table: {version} owns {counts.get(version, 0)} buckets but its weight"
                                  f" is {weights.get(version, 0)} ({weights.get(version, 0) * PER_PERCENT} buckets)")
