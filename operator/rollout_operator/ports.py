@@ -56,6 +56,11 @@ def _older(body: dict[str, Any], held: dict[str, Any] | None) -> bool:
         return False
 
 
+def _owner(body: dict[str, Any]) -> str:
+    """The ModelDeployment a pod or child belongs to (its owner label)."""
+    return str(((body.get("metadata") or {}).get("labels") or {}).get(children.OWNER_LABEL, ""))
+
+
 # Kinds the cache holds: the runtime pods and every kind of child, selected by the owner label.
 SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding",
                 "PodDisruptionBudget")
@@ -116,7 +121,7 @@ class WatchCache:
             for key, body in held:
                 if key in present or self._stamps.get(key, 0.0) >= started:
                     continue  # still there, or put by a watch event after the list began
-                owner = ((body.get("metadata") or {}).get("labels") or {}).get(children.OWNER_LABEL, "")
+                owner = _owner(body)
                 if kind == "Pod":
                     self._pods.get((key[0], owner), {}).pop(key[1], None)
                 else:
@@ -132,7 +137,7 @@ class WatchCache:
 
     def put_pod(self, body: dict[str, Any], deleted: bool = False) -> None:
         namespace, name = self._key(body)
-        owner = ((body.get("metadata") or {}).get("labels") or {}).get(children.OWNER_LABEL, "")
+        owner = _owner(body)
         with self._lock:
             pods = self._pods.setdefault((namespace, owner), {})
             if deleted:
@@ -145,10 +150,6 @@ class WatchCache:
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._pods.get((namespace, owner), {}).values())
-
-    def has_child(self, obj: dict[str, Any]) -> bool:
-        with self._lock:
-            return self._child_key(obj) in self._children
 
     @staticmethod
     def _key(body: dict[str, Any]) -> tuple[str, str]:
@@ -212,9 +213,7 @@ class ClusterPorts:
         for obj in objs:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             self.cache.rendered(obj)
-            meta = obj["metadata"]
-            live = self.cache.live(obj) if self.cache.synced else \
-                self.kube.get(obj["kind"], meta["namespace"], meta["name"])
+            live = self._live(obj)
             same_hash = live is not None and children.spec_hash(live) == children.spec_hash(obj)
             edited = children.drift(live, obj) if live is not None and same_hash else []
             if same_hash and not edited:
@@ -242,9 +241,13 @@ class ClusterPorts:
 
     def published_table(self, target: children.Target) -> tuple[str, ...] | None:
         stub = {"kind": "ConfigMap", "metadata": {"namespace": target.namespace, "name": target.routing}}
-        live = self.cache.live(stub) if self.cache.synced else self.kube.get("ConfigMap", target.namespace,
-                                                                              target.routing)
-        return children.published_owners(live)
+        return children.published_owners(self._live(stub))
+
+    def _live(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The child ``obj`` names as it is now: from the watch cache once synced, else the API."""
+        meta = obj["metadata"]
+        return self.cache.live(obj) if self.cache.synced else self.kube.get(obj["kind"], meta["namespace"],
+                                                                             meta["name"])
 
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         if self.cache.synced:
