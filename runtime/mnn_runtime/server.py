@@ -169,7 +169,15 @@ class _Server(uvicorn.Server):
     every worker gets its share); it reports when it serves; and SIGUSR2 retires it: it takes no
     more connections, answers the next request on each kept-alive one with ``Connection: close``
     (the client reconnects, to another worker) and shuts down once they are gone (or after
-    ``retire_grace`` seconds)."""
+    ``retire_grace`` seconds).
+
+    SIGTERM (a pod being deleted, after its preStop delay) drains the same way, worker or not.
+    uvicorn alone would close every idle kept-alive connection at once, and a client sending its
+    next request on one at that moment loses it. Answering each connection's next request with
+    ``Connection: close`` and closing it then loses none; a connection left idle until the end of
+    ``retire_grace`` is closed as uvicorn closes any idle one past its keep-alive timeout.
+    A second SIGTERM changes nothing; SIGINT still stops at once as uvicorn does.
+    """
 
     def __init__(self, config: uvicorn.Config, app: Any, channel: socket.socket | None, ready_fd: int | None,
                  on_config: Callable[[bytes], object] | None = None, retire_grace: float = 5.0) -> None:
@@ -179,12 +187,20 @@ class _Server(uvicorn.Server):
         self.on_config = on_config
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and self._loop is not None and not self.should_exit:
+            if not getattr(self.app, "draining", False):
+                self._loop.call_soon_threadsafe(self.retire)
+            return
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup([] if self.channel is not None else sockets)
         if self.should_exit:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         if self.channel is not None:
             self.channel.setblocking(False)
             loop.add_reader(self.channel.fileno(), self._receive)
@@ -237,6 +253,8 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         if self.channel is not None:
             loop.remove_reader(self.channel.fileno())
+        for server in self.servers:  # a process that accepts its own connections stops accepting
+            server.close()
         loop.create_task(self._retire())
 
     async def _retire(self) -> None:
