@@ -25,8 +25,14 @@ Simulated (close to a real cluster):
 * Pod objects named ``<deployment>-<hash>-<5 chars>`` with the template's labels +
   ``pod-template-hash``, an ownerReference to the Deployment (controller) and a finalizer
   (``kubelet.emulator.local/process``) so that a DELETE is graceful as on a real cluster: the pod
-  shows a deletionTimestamp, gets SIGTERM, SIGKILL after ``terminationGracePeriodSeconds`` (capped
-  at 5 s), and disappears when its processes are gone. Status via /status, written only on change.
+  shows a deletionTimestamp, runs each container's preStop hook (exec, httpGet or sleep), then its
+  main process gets SIGTERM (the process alone, as from a container runtime), the whole container
+  SIGKILL once ``terminationGracePeriodSeconds`` (capped at 30 s) have passed since the deletion,
+  and the pod disappears when its processes are gone. Status via /status, written only on change.
+* Services (``kubelet_services``, kube-proxy's part): each Service with a selector listens on a
+  loopback address of its own (``service_url``) and forwards each TCP connection to a random ready,
+  not deleted pod; endpoint changes take effect ``service_delay`` s (default 0.3) after the
+  stand-in sees them.
 * Deployments: RollingUpdate (maxSurge/maxUnavailable, ints or percentages; default 25%/25% as
   the API server defaults them), Recreate, scaling, minReadySeconds, progressDeadlineSeconds,
   status (observedGeneration, replicas, updatedReplicas, readyReplicas, availableReplicas,
@@ -34,13 +40,13 @@ Simulated (close to a real cluster):
   conditions). A deleted Deployment (directly or by GC) or Pod has its processes ended.
 
 Not simulated: ReplicaSets (pods are owned by the Deployment directly), images (every container
-runs from this checkout), volumes, resources/limits, securityContext, init containers, lifecycle
-hooks, grpc probes (pass), ``spec.paused`` beyond "do nothing", scheduling, Services/Endpoints,
-Events. Use ``namespace=`` / ``label_selector=`` to restrict which Deployments are run.
+runs from this checkout), volumes, resources/limits, securityContext, init containers, postStart
+hooks, grpc probes (pass), ``spec.paused`` beyond "do nothing", scheduling, Endpoints and
+EndpointSlice objects (the proxy reads the pods), ClusterIP allocation, DNS, Events. Use ``namespace=`` / ``label_selector=`` to restrict which Deployments are run.
 
 Here: the public face (:class:`Kubelet`, :class:`PodInfo`) and the reconcile loop. The parts:
 ``kubelet_runner`` (the pods this node runs), ``kubelet_deployments`` (the deployment controller),
-``kubelet_pods`` (a pod, its IP, its name), ``kubelet_containers`` (a container = a process, with
+``kubelet_services`` (the Service proxy), ``kubelet_pods`` (a pod, its IP, its name), ``kubelet_containers`` (a container = a process, with
 restarts and probes), ``kubelet_env`` (its env and arguments), ``kubelet_probes`` (one probe),
 ``kubelet_api`` (the client of the API).
 """
@@ -60,6 +66,7 @@ from .kubelet_containers import Timing, now_iso
 from .kubelet_deployments import DeploymentController
 from .kubelet_pods import FINALIZER, Pod
 from .kubelet_runner import PodRunner
+from .kubelet_services import Endpoint, ServiceProxy
 
 DEFAULT_COMMANDS = {'mnn-rollout': [sys.executable, '-m', 'mnn_rollout.cli']}
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +98,7 @@ class Kubelet:
                  label_selector: str | None = None, *, poll_interval: float = 0.2,
                  timing: Timing | None = None, commands: dict[str, list[str]] | None = None,
                  entrypoint: list[str] | None = None, node_name: str = 'kubelet-stand-in',
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, service_delay: float = 0.3) -> None:
         self.api_url = api_url.rstrip('/')
         self.api = Api(self.api_url)
         self.kubeconfig_path = Path(kubeconfig_path) if kubeconfig_path else None
@@ -118,6 +125,7 @@ class Kubelet:
         self.ips = self._runner.ips
         self._pods = self._runner.pods
         self._deployments = DeploymentController(self.api, self._runner)
+        self.services = ServiceProxy(self._runner.ips, delay=service_delay, event=self._event)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -167,6 +175,7 @@ class Kubelet:
 
     def _shutdown(self) -> None:
         with self._lock:
+            self.services.stop()
             self._runner.end_all(Api(self.api_url, timeout=1.0))
             self._events.close()
 
@@ -222,6 +231,25 @@ class Kubelet:
             self._event(f'kill {pod.namespace}/{pod.name} {c.name} pid {pid} signal {sig}')
             return pid
 
+    def service_url(self, name: str, namespace: str = 'default', port: int | None = None,
+                    timeout: float = 30.0) -> str:
+        """``http://ADDRESS:PORT`` of a Service (its first port unless ``port``), once it listens."""
+        deadline = time.monotonic() + timeout
+        while True:
+            address = self.services.addresses.get((namespace, name))
+            ports = sorted(self.services.listening(namespace, name))
+            if address is not None and ports and (port is None or port in ports):
+                return f'http://{address}:{port if port is not None else ports[0]}'
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'service {namespace}/{name}: no listener within {timeout} s')
+            time.sleep(0.05)
+
+    def service_endpoints(self, name: str, namespace: str = 'default',
+                          port: int | None = None) -> tuple[Endpoint, ...] | None:
+        """The endpoints the Service forwards new connections to now (None: not listening there)."""
+        ports = self.services.listening(namespace, name)
+        return ports.get(port) if port is not None else next(iter(ports.values()), None)
+
     def log(self, pod_name: str) -> str:
         path = self.workdir / f'{pod_name}.log'
         return path.read_text(errors='replace') if path.exists() else ''
@@ -259,6 +287,8 @@ class Kubelet:
                     any(r.get('uid') in live_deps for r in refs):
                 self.api.call('DELETE', f'/api/v1/namespaces/{key[0]}/pods/{key[1]}', ok=(200, 202, 404))
                 self.api.merge_patch(f'/api/v1/namespaces/{key[0]}/pods/{key[1]}', {'metadata': {'finalizers': None}})
+        services = self.api.call('GET', f'/api/v1{ns_part}/services')['items']
+        self.services.sync(services, api_pods.values())
         for dep in deps:
             self._deployments.sync(dep)
         self._runner.step()

@@ -38,7 +38,7 @@ class Timing:
     backoff_base: float = 0.5       # restart back-off: base * 2^(n-1), capped (real: 10 s .. 5 min)
     backoff_cap: float = 5.0
     backoff_reset: float = 10.0     # a container that ran this long starts the back-off afresh
-    grace_cap: float = 5.0          # terminationGracePeriodSeconds is capped at this
+    grace_cap: float = 30.0         # terminationGracePeriodSeconds is capped at this
 
 
 class Container:
@@ -58,6 +58,12 @@ class Container:
         self.ready = False
         self.started = False  # startupProbe passed (or none)
         self._stop_probes: threading.Event | None = None
+        self.full_env: dict[str, str] = {}  # what the process runs with (its hooks too)
+        self._commands: dict[str, list[str]] = {}
+        self._hook: threading.Thread | None = None  # the preStop hook, while it runs
+        self._hook_proc: subprocess.Popen[bytes] | None = None
+        self._hook_abort = threading.Event()
+        self.term_sent = False  # SIGTERM went to the main process
 
     @property
     def pid(self) -> int | None:
@@ -72,7 +78,11 @@ class Container:
     def argv(self, commands: dict[str, list[str]], entrypoint: list[str]) -> list[str]:
         command = [expand(c, self.env) for c in self.spec.get('command') or []]
         args = [expand(a, self.env) for a in self.spec.get('args') or []]
-        argv = (command or list(entrypoint)) + rewrite_host(args, self.pod.ip)
+        return self.mapped((command or list(entrypoint)) + rewrite_host(args, self.pod.ip), commands)
+
+    @staticmethod
+    def mapped(argv: list[str], commands: dict[str, list[str]]) -> list[str]:
+        """``argv`` with its program as this machine runs it (``commands``; ``python*``: this one)."""
         head = argv[0]
         if head in commands or os.path.basename(head) in commands:
             return commands.get(head, commands.get(os.path.basename(head), [])) + argv[1:]
@@ -89,7 +99,8 @@ class Container:
             self.next_start = time.monotonic() + self.timing.backoff_base
             return
         argv = self.argv(commands, entrypoint)
-        env = {**base_env, **self.env}
+        env = self.full_env = {**base_env, **self.env}
+        self._commands = commands
         log = open(self.pod.log_path, 'ab')
         try:
             log.write(f'--- {now_iso()} kubelet: starting container {self.name} (restart {self.restarts}):'
@@ -156,20 +167,71 @@ class Container:
         return pid
 
     def terminate(self) -> None:
+        """Begin a graceful stop: the preStop hook (exec, httpGet or sleep) if there is one, then
+        (``advance``) SIGTERM to the main process only, as a container runtime sends it."""
         self._end_probes()
+        hook = (self.spec.get('lifecycle') or {}).get('preStop')
+        if hook and self.running:
+            self._log(f'preStop hook: {hook}')
+            self._hook = threading.Thread(target=self._pre_stop, args=(hook,), daemon=True,
+                                          name=f'prestop-{self.pod.name}-{self.name}')
+            self._hook.start()
+        else:
+            self.advance()
+
+    def advance(self) -> None:
+        """For a terminating container: SIGTERM once its preStop hook is done."""
+        if not self.term_sent and (self._hook is None or not self._hook.is_alive()):
+            self.term_sent = True
+            self.signal(signal.SIGTERM)
+
+    def _pre_stop(self, hook: dict[str, Any]) -> None:
+        try:
+            if 'exec' in hook:
+                argv = self.mapped([expand(c, self.env) for c in hook['exec'].get('command') or []], self._commands)
+                with open(self.pod.log_path, 'ab') as log:
+                    self._hook_proc = subprocess.Popen(argv, env=self.full_env, stdout=log, stderr=subprocess.STDOUT,
+                                                       stdin=subprocess.DEVNULL, start_new_session=True)
+                code = self._hook_proc.wait()
+                if code != 0:
+                    self._log(f'preStop hook exited with {code}')
+            elif 'httpGet' in hook:
+                if not run_probe({'httpGet': hook['httpGet'], 'timeoutSeconds': self.pod.grace()}, self.pod.ip,
+                                 self.ports, self.env):
+                    self._log('preStop httpGet hook failed')
+            elif 'sleep' in hook:
+                self._hook_abort.wait(float(hook['sleep'].get('seconds') or 0))
+        except (OSError, ValueError) as e:
+            self._log(f'preStop hook failed: {e}')
+
+    def _end_hook(self) -> None:
+        self._hook_abort.set()
+        if self._hook_proc is not None and self._hook_proc.poll() is None:
+            try:
+                os.killpg(self._hook_proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def quit(self) -> None:
+        """SIGTERM to the whole container at once, no hook (the stand-in itself is stopping)."""
+        self._end_probes()
+        self._end_hook()
         self._kill_group(signal.SIGTERM)
 
     def kill(self) -> None:
         self._end_probes()
+        self._end_hook()
         self._kill_group(signal.SIGKILL)
 
     def reap(self) -> bool:
         """For a terminating container: True once its process is gone."""
         if self.proc is None:
+            self._end_hook()
             return True
         if self.proc.poll() is None:
             return False
         self._kill_group(signal.SIGKILL)
+        self._end_hook()
         self.proc = None
         return True
 

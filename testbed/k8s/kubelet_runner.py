@@ -85,6 +85,8 @@ class PodRunner:
         now = time.monotonic()
         for key, pod in list(self.pods.items()):
             if pod.terminating:
+                for c in pod.containers:
+                    c.advance()
                 if not all(c.reap() for c in pod.containers):
                     if now > pod.term_deadline:
                         for c in pod.containers:
@@ -128,7 +130,7 @@ class PodRunner:
         pods = list(self.pods.values())
         for pod in pods:
             for c in pod.containers:
-                c.terminate()
+                c.quit()
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline and not all(c.reap() for p in pods for c in p.containers):
             time.sleep(0.05)

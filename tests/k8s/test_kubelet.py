@@ -264,7 +264,10 @@ def test_a_template_that_never_gets_ready_stalls_the_rollout_while_old_pods_keep
                    content_type='application/merge-patch+json'))
     crashing = wait_for(lambda: next((p for p in kubelet.pods(DEPLOYMENT, NS) if p.restarts >= 1), None), 15,
                         'a restarted crashing pod')
-    assert new.name not in {p.name for p in kubelet.pods(DEPLOYMENT, NS, include_terminating=True)}
+    # The never-ready pod of the previous template ends (its drain waits up to 5 s for this test's
+    # idle kept-alive connection, as uvicorn's keep-alive timeout would close it then).
+    wait_for(lambda: new.name not in {p.name for p in kubelet.pods(DEPLOYMENT, NS, include_terminating=True)},
+             10, 'the never-ready pod of the previous template to end')
     assert not alive(new.pid), 'the never-ready pod of the previous template was not ended'
     obj = ok(emu.request('GET', f'{PODS}/{crashing.name}'))
     cs = obj['status']['containerStatuses'][0]
