@@ -64,6 +64,7 @@ bench: bench-deps system-deps
 	$(BIN)/python bench/weight_propagation.py
 	$(BIN)/python bench/rollback_latency.py
 	$(BIN)/python bench/routing_moves.py
+	$(BIN)/python bench/zero_downtime.py
 	$(BIN)/python bench/operator_scale.py
 
 clean:

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 import uvicorn
 
-from mnn_rollout.contract.config import ConfigError, RuntimeConfig, dump_config, parse_config_text
+from mnn_rollout.contract.config import (DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, ConfigError, RuntimeConfig,
+                                         dump_config, parse_config_text)
 from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
@@ -180,7 +181,8 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, app: Any, channel: socket.socket | None, ready_fd: int | None,
-                 on_config: Callable[[bytes], object] | None = None, retire_grace: float = 5.0) -> None:
+                 on_config: Callable[[bytes], object] | None = None,
+                 retire_grace: float = DRAIN_CONNECTIONS_SECONDS) -> None:
         super().__init__(config)
         self.app = app
         self.channel = channel
@@ -273,7 +275,8 @@ def _drop_failed_connection(task: asyncio.Task[Any]) -> None:
 def _uvicorn_config(runtime: Runtime, host: str, port: int, log_level: str) -> uvicorn.Config:
     # No WebSocket support: nothing here speaks it, and its import would cost every worker.
     return uvicorn.Config(runtime.app, host=host, port=port, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=10, ws="none", http="httptools", loop="uvloop")
+                          timeout_keep_alive=DRAIN_CONNECTIONS_SECONDS,
+                          timeout_graceful_shutdown=DRAIN_IN_FLIGHT_SECONDS, ws="none", http="httptools", loop="uvloop")
 
 
 def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", channel: socket.socket | None = None,

@@ -39,6 +39,7 @@ class Timing:
     backoff_cap: float = 5.0
     backoff_reset: float = 10.0     # a container that ran this long starts the back-off afresh
     grace_cap: float = 30.0         # terminationGracePeriodSeconds is capped at this
+    pre_stop: bool = True           # run preStop hooks (False: SIGTERM at once, a benchmark's baseline)
 
 
 class Container:
@@ -170,7 +171,7 @@ class Container:
         """Begin a graceful stop: the preStop hook (exec, httpGet or sleep) if there is one, then
         (``advance``) SIGTERM to the main process only, as a container runtime sends it."""
         self._end_probes()
-        hook = (self.spec.get('lifecycle') or {}).get('preStop')
+        hook = (self.spec.get('lifecycle') or {}).get('preStop') if self.timing.pre_stop else None
         if hook and self.running:
             self._log(f'preStop hook: {hook}')
             self._hook = threading.Thread(target=self._pre_stop, args=(hook,), daemon=True,

@@ -26,6 +26,12 @@ HEADER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
 SUBFIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*: ")  # "metrics.0.query: ..."
 # The data key of the routing ConfigMap that holds the runtime config YAML.
 CONFIG_KEY = "runtime.yaml"
+# How a runtime process drains on SIGTERM (the operator's terminationGracePeriodSeconds covers
+# both): kept-alive connections get this long to close after their next answer (uvicorn's own
+# keep-alive timeout, so an idle one is closed no sooner than usual) ...
+DRAIN_CONNECTIONS_SECONDS = 5
+# ... then requests still in flight this long.
+DRAIN_IN_FLIGHT_SECONDS = 10
 
 
 class ConfigError(ValueError):
