@@ -61,6 +61,7 @@ CHILD_KINDS = {"configmaps": "ConfigMap", "services": "Service", "serviceaccount
 CHILD_PATHS = {**{f"/api/v1/namespaces/{NS}/{p}": k for p, k in CHILD_KINDS.items()},
                f"/apis/apps/v1/namespaces/{NS}/deployments": "Deployment",
                f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets": "PodDisruptionBudget",
+               f"/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers": "HorizontalPodAutoscaler",
                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles": "Role",
                f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings": "RoleBinding"}
 

@@ -1,9 +1,11 @@
 """Render the objects a ModelDeployment owns, as plain dicts (no I/O).
 
 ConfigMap ``<name>-routing`` (the runtime config), Deployment ``<name>-runtime``, Service
-``<name>``, and a ServiceAccount, Role and RoleBinding ``<name>-runtime`` that let the runtime
-read only its own ConfigMap. Each carries ``mnnrollout.io/spec-hash``, the hash of what was
-rendered, so the operator writes a child only when its rendering changed.
+``<name>``, PodDisruptionBudget ``<name>-runtime``, a ServiceAccount, Role and RoleBinding
+``<name>-runtime`` that let the runtime read only its own ConfigMap, and, with
+``runtime.autoscaling``, a HorizontalPodAutoscaler ``<name>-runtime``. Each carries
+``mnnrollout.io/spec-hash``, the hash of what was rendered, so the operator writes a child only
+when its rendering changed.
 """
 
 from __future__ import annotations
@@ -18,18 +20,24 @@ from typing import Any
 
 import yaml
 
-from mnn_rollout.contract.config import CONFIG_KEY, YAML_LOADER, RuntimeConfig, dump_config
+from mnn_rollout.contract.config import (CONFIG_KEY, DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, YAML_LOADER,
+                                         RuntimeConfig, dump_config)
 from mnn_rollout.contract.routing import RoutingTable, decode
 
-from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, cpu_quantity
+from .spec import DEFAULT_IMAGE, AutoscalingSpec, ModelDeploymentSpec, cpu_quantity
 
 GROUP = "mnnrollout.io"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
 OWNER_LABEL = f"{GROUP}/modeldeployment"
 PRESTOP_SECONDS = 5  # a terminating runtime pod keeps serving this long while endpoints drop it
-DRAIN_SECONDS = 15  # then the runtime's graceful shutdown (10 s for requests in flight) and a margin
+# then SIGTERM: the runtime's drain (kept-alive connections close, then requests in flight end)
+DRAIN_SECONDS = DRAIN_CONNECTIONS_SECONDS + DRAIN_IN_FLIGHT_SECONDS
 RUNTIME_UID = 65532
 DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
+IN_FLIGHT_METRIC = "mnn_inference_in_flight_requests"  # the runtime's gauge, per pod through the custom metrics API
+# Children rendered only for some specs: one the spec no longer asks for is deleted (when this
+# ModelDeployment owns it), not left to garbage collection.
+OPTIONAL_KINDS = ("HorizontalPodAutoscaler",)
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,7 @@ def _yaml_maps(live: str, want: str) -> tuple[Any, Any] | None:
 def _same_scalar(live: Any, want: Any, path: str) -> bool:
     if live == want and type(live) is type(want):
         return True
-    if ".resources." in f".{path}.":
+    if ".resources." in f".{path}." or path.endswith(".averageValue"):
         from kubernetes.utils.quantity import parse_quantity
 
         try:
@@ -288,12 +296,15 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         pod_spec["nodeSelector"] = dict(rt.node_selector)
     if rt.tolerations:
         pod_spec["tolerations"] = list(rt.tolerations)
+    # With autoscaling, replicas are not rendered: the operator's field manager lets go of them
+    # and the HPA sets them (a field in the applied configuration would be forced back each time).
+    replicas = {} if rt.autoscaling else {"replicas": rt.replicas}
     return stamped({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(target, target.runtime),
         "spec": {
-            "replicas": rt.replicas,
+            **replicas,
             "selector": {"matchLabels": selector(target)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec},
@@ -346,13 +357,88 @@ def render_pdb(target: Target) -> dict[str, Any]:
     })
 
 
+def milli_quantity(value: float) -> str:
+    """A positive number as a Kubernetes quantity in the API server's canonical form (``4``,
+    ``2500m``), to the thousandth."""
+    milli = max(1, round(value * 1000))
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def hpa_metric(scaling: AutoscalingSpec) -> dict[str, Any]:
+    """The autoscaling/v2 metric of the one target: CPU utilization (of the pods' CPU requests) or
+    the average of the runtime's in-flight gauge over the pods (a ``Pods`` metric, served by the
+    custom metrics API, e.g. prometheus-adapter)."""
+    if scaling.target_cpu_utilization_percentage is not None:
+        return {"type": "Resource", "resource": {"name": "cpu", "target": {
+            "type": "Utilization", "averageUtilization": scaling.target_cpu_utilization_percentage}}}
+    assert scaling.target_in_flight_per_pod is not None  # the spec has exactly one target
+    return {"type": "Pods", "pods": {"metric": {"name": IN_FLIGHT_METRIC}, "target": {
+        "type": "AverageValue", "averageValue": milli_quantity(scaling.target_in_flight_per_pod)}}}
+
+
+def render_hpa(target: Target, spec: ModelDeploymentSpec) -> dict[str, Any] | None:
+    """The HorizontalPodAutoscaler of the runtime Deployment (None without ``runtime.autoscaling``)."""
+    scaling = spec.runtime.autoscaling
+    if scaling is None:
+        return None
+    return stamped({
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(target, target.runtime),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target.runtime},
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [hpa_metric(scaling)],
+        },
+    })
+
+
 def render_all(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
                default_image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
-    """Every child, in creation order (RBAC before the pods that need it)."""
+    """Every child, in creation order (RBAC before the pods that need it; the HPA after the
+    Deployment it scales)."""
+    hpa = render_hpa(target, spec)
     return [
         *render_rbac(target),
         render_configmap(target, config),
         render_deployment(target, spec, config, default_image),
         render_service(target, spec),
         render_pdb(target),
+        *([hpa] if hpa else []),
     ]
+
+
+def unrendered(target: Target, spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    """The optional children (``OPTIONAL_KINDS``) this spec does not render, as stubs naming them:
+    the operator deletes each one that exists and that this ModelDeployment owns."""
+    stubs = []
+    if spec.runtime.autoscaling is None:
+        stubs.append({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                      "metadata": {"name": target.runtime, "namespace": target.namespace}})
+    return stubs
+
+
+def replicas_handover(desired: Mapping[str, Any], live: Mapping[str, Any] | None,
+                      manager: str) -> dict[str, Any] | None:
+    """When a Deployment is rendered without ``spec.replicas`` (autoscaling) while ``manager``
+    still owns the live value: the value, as an apply configuration for a second field manager.
+    Applied before the rendering, it keeps the field when ``manager`` lets go of it; otherwise the
+    API server would remove it and default it to 1 (every pod but one gone until the HPA scales
+    up again). The HPA takes the field over from there with its first change."""
+    if live is None or desired.get("kind") != "Deployment" or "replicas" in (desired.get("spec") or {}):
+        return None
+    replicas = (live.get("spec") or {}).get("replicas")
+    owned = any(entry.get("manager") == manager and entry.get("operation") == "Apply"
+                and "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+                for entry in (live.get("metadata") or {}).get("managedFields") or [])
+    if replicas is None or not owned:
+        return None
+    meta = desired["metadata"]
+    return {"apiVersion": desired["apiVersion"], "kind": "Deployment",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "spec": {"replicas": replicas}}
+
+
+def owner_uid(target: Target) -> str:
+    """The uid of the ModelDeployment that ``target``'s children belong to ("" when unknown)."""
+    return str(dict(target.owner).get("uid", ""))

@@ -55,6 +55,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "ModelDeployment": ("/apis/mnnrollout.io/v1alpha1", "modeldeployments"),

@@ -80,6 +80,7 @@ async def _child_changed(body: kopf.Body, type: str | None, labels: kopf.Labels,
 # Children edited or deleted by hand wake their owner, whose reconcile puts them back.
 for _group, _version, _plural in (("", "v1", "configmaps"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
                                   ("apps", "v1", "deployments"), ("policy", "v1", "poddisruptionbudgets"),
+                                  ("autoscaling", "v2", "horizontalpodautoscalers"),
                                   ("rbac.authorization.k8s.io", "v1", "roles"),
                                   ("rbac.authorization.k8s.io", "v1", "rolebindings")):
     kopf.on.event(_group, _version, _plural, labels={OWNER_LABEL: kopf.PRESENT},

@@ -1,7 +1,8 @@
 """The ports through which the ``Reconciler`` touches the world, and their cluster implementation.
 
-The reconcile loop needs four things besides the pure ``decide()``: read the live object, write
-its children, store its status and observe its pods (metrics are read by the ``Analyzer``'s
+The reconcile loop needs a few things besides the pure ``decide()``: read the live object, write
+its children (and delete the optional ones it no longer renders), store its status, observe its
+pods and read how many the runtime Deployment asks for (metrics are read by the ``Analyzer``'s
 providers). In a cluster they are Kubernetes API calls; the local demo implements the same
 protocol against a config file and one runtime process (``mnn_rollout.demo.ports``), so both run
 the same reconcile code.
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from . import children
-from .kube import ApiError, KubeClient
+from .kube import FIELD_MANAGER, ApiError, KubeClient
 from .observe import Observation, pod_views, scrape
 
 
@@ -27,6 +28,13 @@ class Ports(Protocol):
     def write_children(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
         """Each child created, updated, unchanged, ``repaired: <fields>`` or ``rejected: <message>``
         (see ``ClusterPorts.write_children``)."""
+
+    def delete_children(self, stubs: Iterable[dict[str, Any]], owner_uid: str) -> dict[str, str]:
+        """Delete each child ``stubs`` name that exists and is owned by ``owner_uid``: ``deleted``
+        (the others are left alone and not reported)."""
+
+    def runtime_replicas(self, target: children.Target) -> int | None:
+        """The runtime Deployment's ``spec.replicas`` now (None: no Deployment yet)."""
 
     def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         """Replace the whole status of ``body`` (decided from its resourceVersion)."""
@@ -40,6 +48,10 @@ class Ports(Protocol):
 
 REJECTED = "rejected: "  # a write_children result: the API refused the child as invalid
 REPAIRED = "repaired: "  # a write_children result: fields edited by hand were put back
+DELETED = "deleted"  # a delete_children result
+# The field manager that holds a Deployment's replicas while the operator's lets go of them for an
+# HPA (children.replicas_handover).
+HANDOVER_MANAGER = f"{FIELD_MANAGER}-handover"
 
 
 def _older(body: dict[str, Any], held: dict[str, Any] | None) -> bool:
@@ -63,7 +75,7 @@ def _owner(body: dict[str, Any]) -> str:
 
 # Kinds the cache holds: the runtime pods and every kind of child, selected by the owner label.
 SYNCED_KINDS = ("Pod", "ConfigMap", "Service", "ServiceAccount", "Deployment", "Role", "RoleBinding",
-                "PodDisruptionBudget")
+                "PodDisruptionBudget", "HorizontalPodAutoscaler")
 RELIST_GRACE = 5.0  # a kind listed this recently is not listed again for a watch's re-list
 
 
@@ -208,7 +220,9 @@ class ClusterPorts:
         hand, put back), or ``rejected: <the API's message>`` when the API refuses it as invalid
         (422): the others are still written. Writes are server-side applies under the operator's
         field manager, forced: the fields it renders are its own, whoever edited them since; a
-        child the watch shows as rendered costs no request."""
+        child the watch shows as rendered costs no request. A Deployment whose replicas the
+        operator stops rendering (autoscaling) gets them applied under ``HANDOVER_MANAGER`` first,
+        so that they stay (``children.replicas_handover``)."""
         written = {}
         for obj in objs:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -220,6 +234,9 @@ class ClusterPorts:
                 written[key] = "unchanged"  # as rendered: no request
                 continue
             try:
+                handover = children.replicas_handover(obj, live, FIELD_MANAGER)
+                if handover is not None:
+                    self.kube.apply(handover, field_manager=HANDOVER_MANAGER)
                 result = self.kube.apply(obj)
             except ApiError as exc:
                 if exc.status != 422:
@@ -233,6 +250,30 @@ class ClusterPorts:
             else:
                 written[key] = "created" if live is None else "updated"
         return written
+
+    def delete_children(self, stubs: Iterable[dict[str, Any]], owner_uid: str) -> dict[str, str]:
+        """Only a child whose ownerReferences name ``owner_uid`` goes: one of the same name that
+        someone else made is not the operator's to delete. Once synced, an absent child costs no
+        request."""
+        deleted = {}
+        for obj in stubs:
+            live = self._live(obj)
+            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if not owner_uid or not any(o.get("uid") == owner_uid for o in owners):
+                continue
+            meta = obj["metadata"]
+            self.kube.delete(obj["kind"], meta["namespace"], meta["name"])
+            self.cache.put_child(obj, deleted=True)
+            deleted[f"{obj['kind']}/{meta['name']}"] = DELETED
+        return deleted
+
+    def runtime_replicas(self, target: children.Target) -> int | None:
+        stub = {"kind": "Deployment", "metadata": {"namespace": target.namespace, "name": target.runtime}}
+        live = self._live(stub)
+        if live is None:
+            return None
+        replicas = (live.get("spec") or {}).get("replicas")
+        return 1 if replicas is None else int(replicas)  # absent: the API server's default
 
     def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         # PUT, not a merge patch: a merge patch would keep map keys (weights) that were removed;

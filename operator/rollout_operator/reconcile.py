@@ -23,7 +23,7 @@ from .analyzer import next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
-from .ports import REJECTED, REPAIRED, Ports
+from .ports import DELETED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus, condition, with_condition
@@ -111,7 +111,7 @@ class Reconciler:
         model = spec.model_name(name)
         observation = self.ports.observe_pods(target, spec.runtime.port, model)
         annotations = meta.get("annotations") or {}
-        world = self._world(spec, status, observation, annotations)
+        world = self._world(spec, status, observation, annotations, self._desired_pods(spec, target))
         analysis = self._analyse(spec, status, body, observation, now)
         new, events = decide(spec, status, world, analysis, now)
         new = replace(new, versions=[observation.version(spec.version(v)).as_status()
@@ -122,6 +122,7 @@ class Reconciler:
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new), self.ports.published_table(target))
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
+        written.update(self.ports.delete_children(children.unrendered(target, spec), children.owner_uid(target)))
         first = not (body.get("status") or {}).get("observedGeneration")
         new = self._rejected(new, written, now)
         child_events = self._child_events(first, status, new, written)
@@ -138,8 +139,17 @@ class Reconciler:
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote, analysis)
 
+    def _desired_pods(self, spec: ModelDeploymentSpec, target: children.Target) -> int:
+        """The runtime pods wanted: ``runtime.replicas``, or with autoscaling what the HPA set on
+        the Deployment (before there is one, its minimum)."""
+        scaling = spec.runtime.autoscaling
+        if scaling is None:
+            return spec.runtime.replicas
+        replicas = self.ports.runtime_replicas(target)
+        return scaling.min_replicas if replicas is None else replicas
+
     def _world(self, spec: ModelDeploymentSpec, status: RolloutStatus, observation: Observation,
-               annotations: dict[str, str]) -> World:
+               annotations: dict[str, str], desired_pods: int) -> World:
         views = {v.name: observation.version(v) for v in spec.versions}
         action = annotations.get(ACTION_ANNOTATION)
         new_action = action if action and action != status.last_action else None
@@ -147,7 +157,7 @@ class Reconciler:
             versions_ready={k: v.ready for k, v in views.items()},
             reasons={k: v.reason for k, v in views.items() if v.reason},
             ready_pods=observation.ready_pods,
-            desired_pods=spec.runtime.replicas,
+            desired_pods=desired_pods,
             action=new_action.split(":", 1)[0] if new_action else None,
             action_token=new_action,
             alert=firing_alert(annotations.get(ALERT_ANNOTATION), spec.canary),
@@ -198,6 +208,9 @@ class Reconciler:
         if created:
             reason = "ChildrenCreated" if first else "ChildrenRecreated"
             events.append(Event("Normal" if first else "Warning", reason, f"created {', '.join(created)}"))
+        deleted = [k for k, v in written.items() if v == DELETED]
+        if deleted:
+            events.append(Event("Normal", "ChildrenDeleted", f"deleted {', '.join(deleted)} (no longer in the spec)"))
         old_versions = [v.get("name") for v in old.versions]
         new_versions = [v.get("name") for v in new.versions]
         if not first and old_versions and old_versions != new_versions:

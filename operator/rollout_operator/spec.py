@@ -21,6 +21,7 @@ DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 BUILTIN_METRICS = ("error-rate", "latency-p50", "latency-p95", "latency-p99")
 DEFAULT_IMAGE = "ghcr.io/mnn-rollout/mnn-rollout:0.1.0"
+MAX_REPLICAS = 1000
 METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
@@ -230,11 +231,46 @@ def _toleration_errors(tolerations: list[dict[str, Any]]) -> list[str]:
     return errors
 
 
+class AutoscalingSpec(_Model):
+    """A HorizontalPodAutoscaler on the runtime Deployment, on one target (the HPA's own bounds:
+    replicas at least 1, a utilization or an average value above 0)."""
+
+    min_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, alias="minReplicas")
+    max_replicas: int = Field(ge=1, le=MAX_REPLICAS, alias="maxReplicas")
+    # percent of the runtime container's CPU request; above 100 is valid when its limit is higher
+    target_cpu_utilization_percentage: int | None = Field(default=None, ge=1, alias="targetCPUUtilizationPercentage")
+    # inference requests in flight per pod, on average (rendered in thousandths: a quantity in m)
+    target_in_flight_per_pod: float | None = Field(default=None, ge=0.001, alias="targetInFlightPerPod")
+
+    @model_validator(mode="after")
+    def _shape(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas: {self.min_replicas} is above maxReplicas ({self.max_replicas}); "
+                             f"valid: 1 to {self.max_replicas}")
+        cpu, in_flight = self.target_cpu_utilization_percentage, self.target_in_flight_per_pod
+        if cpu is not None and in_flight is not None:
+            raise ValueError(f"targetCPUUtilizationPercentage ({cpu}) and targetInFlightPerPod ({in_flight}): set "
+                             "one target, not both")
+        if cpu is None and in_flight is None:
+            raise ValueError("a target is required: targetCPUUtilizationPercentage (percent of the CPU request) or "
+                             "targetInFlightPerPod (requests in flight per pod)")
+        return self
+
+
+def has_cpu_request(resources: dict[str, Any]) -> bool:
+    """Whether the runtime container gets a CPU request: its own, one defaulted from its CPU limit
+    (as the API server does), or the operator's default resources (when none are given)."""
+    if not resources:
+        return True
+    return any("cpu" in (resources.get(kind) or {}) for kind in ("requests", "limits"))
+
+
 class RuntimeSpec(_Model):
     image: str | None = None  # None: the operator's --runtime-image
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None,
                                                                                  alias="imagePullPolicy")
-    replicas: int = Field(default=2, ge=0, le=1000)
+    replicas: int = Field(default=2, ge=0, le=MAX_REPLICAS)  # ignored while autoscaling is set
+    autoscaling: AutoscalingSpec | None = None
     workers: int | None = Field(default=None, ge=1, le=64)  # None: one per CPU of the pod's limit
     port: int = Field(default=8080, ge=1024, le=65535)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, alias="maxBodyBytes")
@@ -266,6 +302,16 @@ class RuntimeSpec(_Model):
                 except ValueError as exc:
                     raise ValueError(f"{kind}.cpu: {exc}") from None
         return value
+
+    @model_validator(mode="after")
+    def _cpu_target_needs_a_request(self) -> RuntimeSpec:
+        """The HPA computes CPU utilization against the container's CPU request."""
+        cpu = self.autoscaling.target_cpu_utilization_percentage if self.autoscaling else None
+        if cpu is not None and not has_cpu_request(self.resources):
+            raise ValueError(f"autoscaling.targetCPUUtilizationPercentage: {cpu} needs a CPU request, and resources "
+                             f"{self.resources!r} has neither requests.cpu nor limits.cpu; add one (e.g. "
+                             "requests.cpu: 500m) or use targetInFlightPerPod")
+        return self
 
 
 class ModelDeploymentSpec(_Model):

@@ -196,7 +196,7 @@ def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[
 # does (unknown fields are dropped by a server, not refused: strict=False). Pods are left out: the
 # kubelet stand-in writes them often, and the operator never does.
 BUILTIN_VALIDATED = {'ConfigMap', 'Service', 'ServiceAccount', 'Deployment', 'Role', 'RoleBinding',
-                     'PodDisruptionBudget'}
+                     'PodDisruptionBudget', 'HorizontalPodAutoscaler'}
 KUBERNETES_VERSION = '1.30'
 
 

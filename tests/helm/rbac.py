@@ -7,8 +7,10 @@ Derivation (read, not guessed):
   client itself): the kind comes from the call's first argument and ``kube.RESOURCES``, the verb from
   the method (get, list, create, replace = update, patch, delete), ``apply`` of a child (a
   server-side apply: patch, and create when it creates, as the API server authorizes it) times
-  every kind ``children.render_all`` renders, a raw ``request(METHOD, PATH)`` from its method and
-  path;
+  every kind ``children.render_all`` renders (with and without ``runtime.autoscaling``), the apply
+  that hands a Deployment's replicas over to an HPA (patch: the Deployment exists), ``delete`` of
+  the optional children (``children.OPTIONAL_KINDS``), a raw ``request(METHOD, PATH)`` from its
+  method and path;
 * RBAC escalation prevention: the operator creates the runtime's Role, so it must hold every
   permission that Role grants;
 * children carry ownerReferences with ``blockOwnerDeletion: true``: update on the owner's
@@ -82,11 +84,15 @@ def _children_kinds() -> set[str]:
     from rollout_operator.spec import parse_spec
 
     manifest = yaml.safe_load((ROOT / "examples" / "scorer-canary.yaml").read_text())
-    spec = parse_spec(manifest["spec"])
     body = {"apiVersion": "mnnrollout.io/v1alpha1", "metadata": {"name": "scorer", "uid": "u"}}
     target = children.Target("scorer", "ns", children.owner_reference(body))
-    config = children.runtime_config(spec, "scorer", {"v1": 100, "v2": 0}, "v1", ["v1", "v2"])
-    return {o["kind"] for o in children.render_all(target, spec, config)}
+    kinds = set()
+    for autoscaling in (None, {"maxReplicas": 4, "targetInFlightPerPod": 8}):
+        runtime = {**manifest["spec"].get("runtime", {}), **({"autoscaling": autoscaling} if autoscaling else {})}
+        spec = parse_spec({**manifest["spec"], "runtime": runtime})
+        config = children.runtime_config(spec, "scorer", {"v1": 100, "v2": 0}, "v1", ["v1", "v2"])
+        kinds |= {o["kind"] for o in children.render_all(target, spec, config)}
+    return kinds
 
 
 def code_needs() -> dict[Triple, list[str]]:
@@ -118,6 +124,11 @@ def code_needs() -> dict[Triple, list[str]]:
                 elif method == "get" and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj['kind']":
                     add([(*group_resource(kind), "get") for kind in _children_kinds()], where)  # a child
                     continue
+                elif method == "delete" and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj['kind']":
+                    from rollout_operator.children import OPTIONAL_KINDS  # delete_children: the unrendered ones
+
+                    add([(*group_resource(kind), "delete") for kind in OPTIONAL_KINDS], where)
+                    continue
                 elif method == "list" and path.name == "ports.py" and ast.unparse(call.args[0]) == "kind":
                     from rollout_operator.ports import SYNCED_KINDS  # WatchCache.sync lists each of these
 
@@ -129,7 +140,11 @@ def code_needs() -> dict[Triple, list[str]]:
                     raise AssertionError(f"{where}: cannot tell the kind; teach tests/helm/rbac.py")
                 add([(group, f"{plural}/{sub}" if sub else plural, VERB_OF_METHOD[method])], where)
             elif method == "apply":
-                assert call is not None and path.name == "ports.py" and ast.unparse(call.args[0]) == "obj", where
+                assert call is not None and path.name == "ports.py", where
+                if ast.unparse(call.args[0]) == "handover":  # children.replicas_handover: an existing Deployment
+                    add([(*group_resource("Deployment"), "patch")], where)
+                    continue
+                assert ast.unparse(call.args[0]) == "obj", where
                 add([(*group_resource(kind), verb) for kind in _children_kinds() for verb in ("patch", "create")],
                     where)
             elif method == "secret_value":

@@ -168,3 +168,103 @@ def test_the_configmap_publishes_a_table_evolved_from_the_one_it_published_befor
     # a table that does not parse (edited by hand) is no history: the next one starts from stable
     broken = {"data": {"runtime.yaml": "routing: {table: {versions: [v1], buckets: '@@'}}"}}
     assert children.published_owners(broken) is None and children.published_owners(None) is None
+
+
+SCALED = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}],
+                     "runtime": {"replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 8,
+                                                                "targetCPUUtilizationPercentage": 70}}})
+
+
+def render_spec(spec: Any) -> dict[str, dict[str, Any]]:
+    config = children.runtime_config(spec, "scorer", {"v1": 100}, "v1", ["v1"])
+    return {o["kind"]: o for o in children.render_all(TARGET, spec, config)}
+
+
+def test_autoscaling_adds_an_hpa_on_the_runtime_deployment_after_it() -> None:
+    import kubernetes_validate
+
+    rendered = children.render_all(TARGET, SCALED, children.runtime_config(SCALED, "scorer", {"v1": 100}, "v1", ["v1"]))
+    assert [o["kind"] for o in rendered][-2:] == ["PodDisruptionBudget", "HorizontalPodAutoscaler"]
+    hpa = rendered[-1]
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["metadata"]["name"] == "scorer-runtime"
+    assert hpa["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert children.HASH_ANNOTATION in hpa["metadata"]["annotations"]
+    assert hpa["metadata"]["labels"][children.OWNER_LABEL] == "scorer"
+    assert hpa["spec"] == {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "scorer-runtime"},
+        "minReplicas": 2, "maxReplicas": 8,
+        "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization",
+                                                                                 "averageUtilization": 70}}}]}
+    kubernetes_validate.validate(hpa, "1.30", strict=True)
+    assert "HorizontalPodAutoscaler" not in render({"v1": 100})  # none without autoscaling
+
+
+def test_an_in_flight_target_is_a_pods_metric_averaged_over_the_pods() -> None:
+    import kubernetes_validate
+
+    for target, quantity in ((8, "8"), (2.5, "2500m"), (0.25, "250m")):
+        spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}],
+                           "runtime": {"autoscaling": {"maxReplicas": 4, "targetInFlightPerPod": target}}})
+        hpa = render_spec(spec)["HorizontalPodAutoscaler"]
+        assert hpa["spec"]["minReplicas"] == 1 and hpa["spec"]["maxReplicas"] == 4
+        assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+            "metric": {"name": "mnn_inference_in_flight_requests"},
+            "target": {"type": "AverageValue", "averageValue": quantity}}}]
+        kubernetes_validate.validate(hpa, "1.30", strict=True)
+
+
+def test_the_in_flight_metric_is_the_one_the_runtime_exports() -> None:
+    from mnn_runtime.metrics import RuntimeMetrics
+
+    names = {m.name for m in RuntimeMetrics("scorer").registry.collect()}
+    assert children.IN_FLIGHT_METRIC in names
+
+
+def test_with_autoscaling_the_deployment_leaves_its_replicas_to_the_hpa() -> None:
+    unscaled = SCALED.model_copy(update={"runtime": SCALED.runtime.model_copy(update={"autoscaling": None})})
+    scaled, fixed = render_spec(SCALED)["Deployment"], render_spec(unscaled)["Deployment"]
+    assert "replicas" not in scaled["spec"] and fixed["spec"]["replicas"] == 3
+    assert {k: v for k, v in fixed["spec"].items() if k != "replicas"} == scaled["spec"]  # nothing else differs
+    # whatever the HPA sets is not drift; neither is a target quantity the API server wrote canonically
+    live = {**scaled, "spec": {**scaled["spec"], "replicas": 7}}
+    assert children.drift(live, scaled) == [] and "spec.replicas" in children.drift(live, fixed)
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}],
+                       "runtime": {"autoscaling": {"maxReplicas": 4, "targetInFlightPerPod": 0.5}}})
+    hpa = render_spec(spec)["HorizontalPodAutoscaler"]
+    live_hpa = {**hpa, "spec": {**hpa["spec"], "metrics": [{"type": "Pods", "pods": {
+        "metric": {"name": "mnn_inference_in_flight_requests"},
+        "target": {"type": "AverageValue", "averageValue": "0.5"}}}]}}
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "500m"
+    assert children.drift(live_hpa, hpa) == []
+    live_hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] = "2"
+    assert children.drift(live_hpa, hpa) == ["spec.metrics[0].pods.target.averageValue"]
+
+
+def test_an_hpa_no_longer_rendered_is_named_for_deletion() -> None:
+    unscaled = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}]})
+    assert children.unrendered(TARGET, SCALED) == []
+    (stub,) = children.unrendered(TARGET, unscaled)
+    assert stub["kind"] == "HorizontalPodAutoscaler"
+    assert stub["metadata"] == {"name": "scorer-runtime", "namespace": "ml"}
+    assert stub["kind"] in children.OPTIONAL_KINDS and children.owner_uid(TARGET) == "u-1"
+
+
+def test_replicas_the_operator_owns_are_handed_over_before_it_lets_go() -> None:
+    """Switching to autoscaling: the operator's field manager stops applying spec.replicas; applied
+    first under a second manager, the live value stays (else the API server would drop it to 1)."""
+    desired = render_spec(SCALED)["Deployment"]
+
+    def live(manager: str, replicas: int | None = 5) -> dict[str, Any]:
+        fields = {"f:spec": {"f:replicas": {}, "f:template": {}}}
+        spec = {} if replicas is None else {"replicas": replicas}
+        return {"metadata": {"managedFields": [{"manager": manager, "operation": "Apply", "fieldsV1": fields}]},
+                "spec": spec}
+
+    assert children.replicas_handover(desired, live("mnn-rollout"), "mnn-rollout") == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "scorer-runtime", "namespace": "ml"},
+        "spec": {"replicas": 5}}
+    assert children.replicas_handover(desired, live("horizontal-pod-autoscaler"), "mnn-rollout") is None
+    assert children.replicas_handover(desired, live("mnn-rollout", None), "mnn-rollout") is None
+    assert children.replicas_handover(desired, None, "mnn-rollout") is None  # created: nothing to hand over
+    fixed = render({"v1": 100})["Deployment"]
+    assert children.replicas_handover(fixed, live("mnn-rollout"), "mnn-rollout") is None  # replicas still rendered

@@ -12,7 +12,7 @@ from tests.operator.test_e2e_basic import ready_cluster, served
 
 pytestmark = pytest.mark.timeout(240)
 OWNED = {"configmaps", "deployments", "services", "serviceaccounts", "roles", "rolebindings", "poddisruptionbudgets",
-         "modeldeployments"}
+         "horizontalpodautoscalers", "modeldeployments"}
 KEYS = [f"user-{i}" for i in range(200)]
 
 
@@ -84,6 +84,10 @@ def test_an_operator_killed_mid_way_resumes_without_duplicates_or_lost_status(cl
 
 def test_delete_removes_the_finalizer_and_garbage_collects_every_child(cluster: Cluster) -> None:
     ready_cluster(cluster)
+    hpa = "/apis/autoscaling/v2/namespaces/default/horizontalpodautoscalers/scorer-runtime"
+    cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p",
+                        '{"spec":{"runtime":{"autoscaling":{"minReplicas":2,"maxReplicas":4,"targetInFlightPerPod":8}}}}')
+    wait_for(lambda: cluster.emu.request("GET", hpa)[0] == 200, 30, "the HPA (spec.runtime.autoscaling)")
     md = cluster.md()
     # kopf holds a finalizer while its per-object daemon runs; deletion must remove it.
     assert md["metadata"].get("finalizers") == ["mnnrollout.io/finalizer"]
@@ -96,6 +100,7 @@ def test_delete_removes_the_finalizer_and_garbage_collects_every_child(cluster: 
         "roles": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/scorer-runtime",
         "rolebindings": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/scorer-runtime",
         "poddisruptionbudgets": "/apis/policy/v1/namespaces/default/poddisruptionbudgets/scorer-runtime",
+        "horizontalpodautoscalers": hpa,
     }
     for path in children.values():
         owners = cluster.emu.request("GET", path)[1]["metadata"]["ownerReferences"]

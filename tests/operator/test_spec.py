@@ -239,3 +239,70 @@ def test_the_generated_pod_field_schemas_are_current() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "crds" / "podfields.py"), "--check"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def _md(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"}, "spec": spec}
+
+
+CPU_TARGET = {"maxReplicas": 5, "targetCPUUtilizationPercentage": 70}
+
+
+@pytest.mark.parametrize(
+    ("runtime", "message", "crd_path"),
+    [
+        ({"autoscaling": {**CPU_TARGET, "minReplicas": 6}},
+         "spec.runtime.autoscaling.minReplicas: 6 is above maxReplicas (5); valid: 1 to 5", "spec.runtime.autoscaling"),
+        ({"autoscaling": {**CPU_TARGET, "targetInFlightPerPod": 4}},
+         "spec.runtime.autoscaling: targetCPUUtilizationPercentage (70) and targetInFlightPerPod (4.0): set one "
+         "target, not both", "spec.runtime.autoscaling"),
+        ({"autoscaling": {"maxReplicas": 5}}, "spec.runtime.autoscaling: a target is required",
+         "spec.runtime.autoscaling"),
+        ({"autoscaling": {"targetInFlightPerPod": 4}}, "spec.runtime.autoscaling.maxReplicas: Field required",
+         "spec.runtime.autoscaling.maxReplicas"),
+        ({"autoscaling": {**CPU_TARGET, "minReplicas": 0}},
+         "spec.runtime.autoscaling.minReplicas: Input should be greater than or equal to 1 (got 0)",
+         "spec.runtime.autoscaling.minReplicas"),
+        ({"autoscaling": {**CPU_TARGET, "maxReplicas": 1001}},
+         "spec.runtime.autoscaling.maxReplicas: Input should be less than or equal to 1000 (got 1001)",
+         "spec.runtime.autoscaling.maxReplicas"),
+        ({"autoscaling": {**CPU_TARGET, "targetCPUUtilizationPercentage": 0}},
+         "spec.runtime.autoscaling.targetCPUUtilizationPercentage: Input should be greater than or equal to 1 (got 0)",
+         "spec.runtime.autoscaling.targetCPUUtilizationPercentage"),
+        ({"autoscaling": {"maxReplicas": 5, "targetInFlightPerPod": -2}},
+         "spec.runtime.autoscaling.targetInFlightPerPod: Input should be greater than or equal to 0.001 (got -2)",
+         "spec.runtime.autoscaling.targetInFlightPerPod"),
+        ({"autoscaling": CPU_TARGET, "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "2Gi"}}},
+         "spec.runtime.autoscaling.targetCPUUtilizationPercentage: 70 needs a CPU request, and resources "
+         "{'requests': {'memory': '1Gi'}, 'limits': {'memory': '2Gi'}} has neither requests.cpu nor limits.cpu",
+         "spec.runtime.autoscaling.targetCPUUtilizationPercentage"),
+    ],
+)
+def test_invalid_autoscaling_is_refused_by_the_operator_and_the_crd(runtime: dict[str, Any], message: str,
+                                                                    crd_path: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**BASE, "runtime": runtime})
+    assert message in str(info.value), str(info.value)
+    assert crd_path in [path for path, _ in validate(_md({**BASE, "runtime": runtime}), SCHEMA)]
+
+
+@pytest.mark.parametrize("runtime", [
+    {"autoscaling": CPU_TARGET},  # the default resources request 250m of CPU
+    {"autoscaling": CPU_TARGET, "resources": {"requests": {"cpu": "500m"}}},
+    {"autoscaling": CPU_TARGET, "resources": {"limits": {"cpu": "2"}}},  # the request defaults to the limit
+    {"autoscaling": {**CPU_TARGET, "targetCPUUtilizationPercentage": 150}},  # above the request: a higher limit
+    {"autoscaling": {"minReplicas": 5, "maxReplicas": 5, "targetInFlightPerPod": 0.5},
+     "resources": {"requests": {"memory": "1Gi"}}},  # no CPU request needed
+])
+def test_valid_autoscaling_passes_both(runtime: dict[str, Any]) -> None:
+    assert validate(_md({**BASE, "runtime": runtime}), SCHEMA) == []
+    spec = parse_spec(prune_and_default(_md({**BASE, "runtime": runtime}), SCHEMA)["spec"])
+    assert spec.runtime.autoscaling is not None
+    assert spec.runtime.autoscaling.max_replicas == runtime["autoscaling"]["maxReplicas"]
+
+
+def test_the_autoscaling_defaults_match() -> None:
+    spec = parse_spec({**BASE, "runtime": {"autoscaling": CPU_TARGET}})
+    assert spec.runtime.autoscaling is not None
+    assert _crd_default(["runtime", "autoscaling", "minReplicas"]) == spec.runtime.autoscaling.min_replicas == 1
+    assert parse_spec(BASE).runtime.autoscaling is None

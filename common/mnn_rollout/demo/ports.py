@@ -25,6 +25,7 @@ from mnn_rollout.local.net import write_atomic
 from rollout_operator import children
 from rollout_operator.analyzer import Analyzer
 from rollout_operator.observe import Observation, PodView, scrape
+from rollout_operator.ports import DELETED
 from rollout_operator.providers.factory import ProviderFactory
 from rollout_operator.reconcile import Reconciler
 from rollout_operator.rollout import Event
@@ -72,6 +73,18 @@ class LocalPorts:
                     write_atomic(self.config_path, text)
                     self.config_text = text
         return written
+
+    def delete_children(self, stubs: Iterable[dict[str, Any]], owner_uid: str) -> dict[str, str]:
+        """Forget the children named that were written (all of them are this object's)."""
+        deleted = {}
+        for obj in stubs:
+            key = f"{obj['kind']}/{obj['metadata']['name']}"
+            if self.children.pop(key, None) is not None:
+                deleted[key] = DELETED
+        return deleted
+
+    def runtime_replicas(self, target: children.Target) -> int | None:
+        return 1  # the one runtime process
 
     def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         if body["metadata"].get("resourceVersion") != self.body["metadata"]["resourceVersion"]:

@@ -118,6 +118,11 @@ tests/helm/test_rbac.py checks this list against the code and that nothing else 
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
+# Children: HorizontalPodAutoscaler <name>-runtime (spec.runtime.autoscaling); deleted by the
+# operator when autoscaling is removed from the spec (the only child it deletes itself).
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
 # Children: the runtime's Role and RoleBinding.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
