@@ -10,6 +10,7 @@ import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # 0.5 ms to 10 s: covers a 16->16 scorer (µs) up to a detection model on a busy CPU.
@@ -76,6 +77,14 @@ class RuntimeMetrics:
             registry=self.registry,
             multiprocess_mode="mostrecent",
         )
+        self.memory = Gauge(
+            "mnn_version_memory_bytes",
+            "Resident memory loading and warming up the version added to the process that loaded it "
+            "(with --workers: the supervisor, whose pages the workers share).",
+            ["model", "version"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
         self.batch_rows = Histogram(
             "mnn_inference_batch_rows",
             "Rows per forward of a version with dynamic batching (summed over the requests batched).",
@@ -109,17 +118,20 @@ class RuntimeMetrics:
         self.latency.labels(self.model, version)
         self.in_flight.labels(self.model, version)
 
-    def set_version_state(self, version: str, weight: int, loaded: bool, load_seconds: float | None) -> None:
+    def set_version_state(self, version: str, weight: int, loaded: bool, load_seconds: float | None,
+                          memory_bytes: int | None = None) -> None:
         self.touch(version)
         self.weight.labels(self.model, version).set(weight / 100.0)
         self.loaded.labels(self.model, version).set(1 if loaded else 0)
         if load_seconds is not None:
             self.load_duration.labels(self.model, version).set(load_seconds)
+        self.memory.labels(self.model, version).set(memory_bytes if loaded and memory_bytes is not None else 0)
 
     def forget_version(self, version: str) -> None:
-        """A version left the config: its weight and loaded gauges drop to 0 (counters stay)."""
+        """A version left the config: its weight, loaded and memory gauges drop to 0 (counters stay)."""
         self.weight.labels(self.model, version).set(0)
         self.loaded.labels(self.model, version).set(0)
+        self.memory.labels(self.model, version).set(0)
 
     def observe(self, version: str, outcome: str, seconds: float) -> None:
         self.requests.labels(self.model, version, outcome).inc()
@@ -129,12 +141,85 @@ class RuntimeMetrics:
     def exposition(self) -> bytes:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not directory:
-            return generate_latest(self.registry)
+            return generate_latest(self.registry) + generate_latest(self._processes)
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=directory)
-        return generate_latest(registry)
+        return generate_latest(registry) + generate_latest(self._processes)
+
+    @property
+    def _processes(self) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(ProcessTreeCollector(self.model, multi=bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))))
+        return registry
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ProcessTreeCollector:
+    """The serving processes of this pod, summed: the process itself, or with ``serve --workers``
+    (``multi``) the supervisor and every worker. prometheus_client's own process metrics describe
+    one process and are not available in multiprocess mode. PSS counts each shared page once over
+    the processes sharing it (the weights the workers share with the supervisor), RSS counts it in
+    every process."""
+
+    def __init__(self, model: str, multi: bool) -> None:
+        self.model, self.multi = model, multi
+
+    def _pids(self) -> list[int]:
+        root = os.getppid() if self.multi else os.getpid()  # a worker answers /metrics; its parent supervises
+        try:
+            children = [int(p) for t in os.listdir(f"/proc/{root}/task")
+                        for p in open(f"/proc/{root}/task/{t}/children").read().split()]
+        except (OSError, ValueError):
+            children = []
+        return [root, *children] if self.multi else [root]
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        pss = rss = cpu = 0.0
+        count = 0
+        ticks = os.sysconf("SC_CLK_TCK")
+        pids = self._pids()
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as fh:
+                    for line in fh:
+                        if line.startswith("Pss:"):
+                            pss += int(line.split()[1]) * 1024
+                        elif line.startswith("Rss:"):
+                            rss += int(line.split()[1]) * 1024
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                # utime + stime; the root adds what its reaped children used (cutime + cstime), so a
+                # replaced worker's CPU stays in the sum and the counter never goes back
+                used = fields[11:15] if pid == pids[0] else fields[11:13]
+                cpu += sum(int(f) for f in used) / ticks
+                count += 1
+            except (OSError, ValueError, IndexError):
+                continue  # a worker that just exited
+        if not count:
+            return
+        for name, help_, value in (
+                ("mnn_runtime_memory_pss_bytes", "Proportional set size of the serving processes, summed "
+                 "(shared pages counted once).", pss),
+                ("mnn_runtime_memory_rss_bytes", "Resident set size of the serving processes, summed (shared "
+                 "pages counted in every process).", rss),
+                ("mnn_runtime_processes", "Serving processes (the supervisor and its workers, or one).", count)):
+            family = GaugeMetricFamily(name, help_, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        family = CounterMetricFamily("mnn_runtime_cpu_seconds", "CPU time (user + system) of the serving "
+                                     "processes, summed, with that of exited workers.", labels=["model"])
+        family.add_metric([self.model], cpu)
+        yield family
 
 
 def outcome_of(status_code: int) -> str:

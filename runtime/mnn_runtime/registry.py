@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mnn_rollout.contract.config import RuntimeConfig, VersionSpec
 from .errors import VersionNotFound, VersionNotReady
-from .metrics import RuntimeMetrics
+from .metrics import RuntimeMetrics, resident_bytes
 from .model import LoadedModel, ModelLoadError
 from mnn_rollout.contract.routing import RoutingTable
 
@@ -34,6 +34,7 @@ class VersionState:
     state: str
     model: LoadedModel | None = None
     reason: str | None = None
+    memory_bytes: int | None = None  # resident memory its load added to the process that loaded it
 
     @property
     def ready(self) -> bool:
@@ -111,7 +112,7 @@ class Registry:
                 if old is not None and old.model is not None:
                     versions[spec.name] = VersionState(old.spec, PENDING, old.model,
                                                        f"new file {spec.uri} {PENDING_REASON}; still serving "
-                                                       f"{old.spec.uri}")
+                                                       f"{old.spec.uri}", old.memory_bytes)
                 else:
                     versions[spec.name] = VersionState(spec, PENDING, None, PENDING_REASON)
             else:
@@ -126,7 +127,8 @@ class Registry:
             table = table.without(unavailable, fallback)
         for name, state in versions.items():
             self.metrics.set_version_state(
-                name, weights[name], state.ready, state.model.load_seconds if state.model else None
+                name, weights[name], state.ready, state.model.load_seconds if state.model else None,
+                state.memory_bytes,
             )
         for name in set(previous) - set(versions):
             self.metrics.forget_version(name)
@@ -134,6 +136,9 @@ class Registry:
 
     def _load(self, spec: VersionSpec, old: VersionState | None) -> VersionState:
         path = spec.path(self.base_dir)
+        import MNN.nn  # noqa: F401 - imported before measuring: the engine's ~18 MB are not this version's
+
+        before = resident_bytes()
         try:
             model = LoadedModel.load(path, spec.sha256, spec.warmup_shapes)
         except ModelLoadError as exc:
@@ -141,11 +146,14 @@ class Registry:
                 # A bad file never replaces a good one: keep serving the previous file.
                 reason = f"new file {spec.uri} not loaded, still serving {old.spec.uri}: {exc.reason}"
                 log.error("version %s: %s", spec.name, reason)
-                return VersionState(old.spec, FAILED, old.model, reason)
+                return VersionState(old.spec, FAILED, old.model, reason, old.memory_bytes)
             log.error("version %s failed to load: %s", spec.name, exc.reason)
             return VersionState(spec, FAILED, None, exc.reason)
-        log.info("version %s loaded from %s in %.3f s", spec.name, path, model.load_seconds)
-        return VersionState(spec, READY, model)
+        after = resident_bytes()
+        memory = max(0, after - before) if before is not None and after is not None else None
+        log.info("version %s loaded from %s in %.3f s (%s MB resident added)", spec.name, path, model.load_seconds,
+                 f"{memory / 1e6:.1f}" if memory is not None else "?")
+        return VersionState(spec, READY, model, memory_bytes=memory)
 
     @staticmethod
     def _fallback(config: RuntimeConfig, versions: dict[str, VersionState], weights: dict[str, int]) -> str | None:

@@ -36,13 +36,14 @@ def exported_metric_names() -> set[str]:
     runtime.loaded.labels("scorer", "v1").set(1)
     runtime.load_duration.labels("scorer", "v1").set(1)
     runtime.in_flight.labels("scorer", "v1").set(0)
+    runtime.memory.labels("scorer", "v1").set(1)
     operator = OperatorMetrics()
     operator.set_state("ns", "scorer", operator_phase(), {"v1": 100}, 0)
     operator.rollbacks.labels("ns", "scorer", "x").inc()
     operator.promotions.labels("ns", "scorer", "x").inc()
     operator.verdicts.labels("ns", "scorer", "m", "pass").inc()
     operator.step_seconds.labels("ns", "scorer").observe(1)
-    text = generate_latest(runtime.registry).decode() + generate_latest(operator.registry).decode()
+    text = runtime.exposition().decode() + generate_latest(operator.registry).decode()  # with the process metrics
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
@@ -129,6 +130,10 @@ def test_dashboard_has_the_promised_panels() -> None:
     assert weights["fieldConfig"]["defaults"]["unit"] == "percent"
     phase = find("mnn_rollout_phase")
     assert phase["type"] == "state-timeline"
+    memory = find("mnn_version_memory_bytes", "mnn_runtime_memory_pss_bytes")
+    assert memory["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert find("mnn_version_load_duration_seconds")["fieldConfig"]["defaults"]["unit"] == "s"
+    assert find("mnn_runtime_cpu_seconds_total", "mnn_runtime_processes")
     assert {"Request rate per version", "Error rate per version", "Latency p50 / p99 per version",
             "Traffic weight per version", "Rollout phase"} <= set(panels)
     variables = {v["name"] for v in dash["templating"]["list"]}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
+import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.runtime_server import RuntimeServer
@@ -60,3 +63,37 @@ def test_requests_are_counted_by_version_and_outcome(model_dir: Path, start_serv
     assert value(text, "mnn_inference_duration_seconds_count", model="scorer", version="v2") == 7
     assert value(text, "mnn_inference_duration_seconds_sum", model="scorer", version="v2") > 0
     assert value(text, "mnn_inference_in_flight_requests", model="scorer", version="v2") == 0
+
+
+@pytest.fixture(scope="module")
+def large_dir(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Path:
+    """v1 beside the ~56 MB example (fp32 weights packed at load: what it holds is about its file)."""
+    from mnn_runtime.examples import LARGE, build_example
+
+    out = tmp_path_factory.mktemp("large")
+    build_example(LARGE, out)
+    shutil.copy(examples_dir / "v1.mnn", out / "v1.mnn")
+    (out / "runtime.yaml").write_text(yaml.safe_dump({
+        "model": "scorer", "stable": "v1", "weights": {"v1": 100, "large": 0},
+        "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "large", "uri": "large.mnn"}]}))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_memory_per_version_and_of_the_serving_processes(large_dir: Path, start_server, workers: int) -> None:  # type: ignore[no-untyped-def]
+    server: RuntimeServer = start_server(large_dir / "runtime.yaml", extra_args=["--workers", str(workers)])
+    size = (large_dir / "large.mnn").stat().st_size
+    text = httpx.get(server.url + "/metrics").text
+    large = value(text, "mnn_version_memory_bytes", model="scorer", version="large")
+    small = value(text, "mnn_version_memory_bytes", model="scorer", version="v1")
+    assert 0.8 * size <= large <= 2.0 * size, (large, size)
+    assert small < size / 10, small
+    processes = value(text, "mnn_runtime_processes", model="scorer")
+    pss = value(text, "mnn_runtime_memory_pss_bytes", model="scorer")
+    rss = value(text, "mnn_runtime_memory_rss_bytes", model="scorer")
+    assert processes == (1 if workers == 1 else workers + 1)
+    assert pss >= size  # the weights are in there once
+    if workers > 1:  # shared with the supervisor: counted once by PSS, in every process by RSS
+        assert rss - pss >= workers * 0.8 * size, (rss, pss, size)
+    cpu = value(text, "mnn_runtime_cpu_seconds_total", model="scorer")
+    assert cpu > 0
