@@ -48,6 +48,8 @@ COMMANDS: dict[str, Command] = {
                        f"{__name__}:_convert_arguments", f"{__name__}:_cmd_convert"),
     "examples": Command("build the example scorer models and a runtime config",
                         f"{__name__}:_examples_arguments", f"{__name__}:_cmd_examples"),
+    "profile": Command("time each operator of an MNN model against a plain forward (MNN session callbacks)",
+                       f"{__name__}:_profile_arguments", f"{__name__}:_cmd_profile"),
     "demo": Command("a canary rollout with no cluster: the operator's reconcile loop drives a local runtime "
                     "while many users send traffic",
                     "mnn_rollout.demo.scenarios:add_arguments", "mnn_rollout.demo.scenarios:run_from_args"),
@@ -71,6 +73,23 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
                    help="worker processes sharing one copy of the weights (forked after loading); default "
                         "'auto': the CPUs this process may use (its cgroup CPU limit, else its affinity)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--admin-token-file", metavar="PATH", default=None,
+                   help="enable the admin endpoints (GET /v2/models/M/versions/V/profile) for requests with "
+                        "'Authorization: Bearer TOKEN', TOKEN read from this file at start (default: disabled)")
+
+
+def _admin_token(path: str | None) -> str | None:
+    """The token in ``--admin-token-file`` (surrounding whitespace removed); raises ValueError
+    naming the flag when it cannot be used."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--admin-token-file {path!r}: cannot be read: {exc}") from None
+    if not token or not (token.isascii() and token.isprintable()) or " " in token:
+        raise ValueError(f"--admin-token-file {path!r}: must hold one token of printable ASCII without spaces")
+    return token
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -80,6 +99,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if bool(args.config) == bool(args.configmap):
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
+        return 2
+    try:
+        token = _admin_token(args.admin_token_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.workers == "auto":
         workers = usable_cpus()
@@ -94,7 +118,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return 2
 
     def build():  # type: ignore[no-untyped-def]
-        return build_runtime(Path(args.config)) if args.config else build_runtime_from_configmap(args.configmap)
+        if args.config:
+            return build_runtime(Path(args.config), admin_token=token)
+        return build_runtime_from_configmap(args.configmap, admin_token=token)
 
     try:
         if workers > 1:
@@ -142,6 +168,46 @@ def _cmd_examples(args: argparse.Namespace) -> int:
     for name, sha in sums.items():
         print(f"{sha}  {Path(args.dir) / (name + '.mnn')}")
     print(f"wrote {Path(args.dir) / 'runtime.yaml'}")
+    return 0
+
+
+def _profile_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    p.add_argument("file", metavar="FILE", help="the .mnn model file")
+    p.add_argument("--runs", default="10", help="runs to average over (default 10)")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=D,D,...",
+                   help="an input's shape (repeat per input); needed for inputs with open dimensions "
+                        "other than the batch; default: the declared shape at batch 1")
+    p.add_argument("--json", action="store_true",
+                   help='print {"total_ms", "forward_ms", "ops": [{"name", "type", "ms", "share", "mflops"}]}')
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from mnn_runtime.profile import ProfileError, native_stdout_to_stderr, parse_shape, profile_model
+
+    try:
+        runs = int(args.runs)
+    except ValueError:
+        runs = 0
+    try:
+        if runs < 1:
+            raise ProfileError(f"--runs {args.runs!r}: must be a whole number of at least 1")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for text in args.shape:
+            name, shape = parse_shape(text)
+            if name in shapes:
+                raise ProfileError(f"--shape {text!r}: input {name!r} is given twice")
+            shapes[name] = shape
+        path = Path(args.file)
+        if not path.is_file():
+            raise ProfileError(f"FILE {args.file!r}: {'is not a file' if path.exists() else 'no such file'}")
+        with native_stdout_to_stderr():  # MNN prints to stdout; keep it for the result
+            profile = profile_model(path, runs, shapes)
+    except ProfileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(profile.as_dict()) if args.json else profile.table(path.name))
     return 0
 
 

@@ -94,6 +94,12 @@ class DataPlane:
             },
         }
 
+    def loaded_model(self, model: str, version: str) -> LoadedModel:
+        """The loaded model of ``version``: 404 when unknown, 503 when not loaded."""
+        state = self._snapshot_for(model).version(version)
+        assert state.model is not None
+        return state.model
+
     def model_status(self, model: str) -> dict[str, Any]:
         """Every listed version's state, reason and weight (an mnn-rollout extension of OIP,
         read by the operator to report per-version readiness across pods)."""

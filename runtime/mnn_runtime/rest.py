@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -12,8 +14,9 @@ from fastapi.responses import Response
 
 from .binary import RESPONSE_HEADER
 from .dataplane import VERSION_HEADER, DataPlane
-from .errors import InferenceError, PayloadTooLarge
+from .errors import BadRequest, InferenceError, PayloadTooLarge
 from .metrics import CONTENT_TYPE, RuntimeMetrics
+from .profile import MAX_RUNS, ProfileError, Profiler
 
 JSON = "application/json"
 
@@ -89,12 +92,24 @@ async def read_body(headers: Mapping[str, str], receive: Any, limit: int) -> byt
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def _runs(text: str | None) -> int:
+    """The ``runs`` query parameter: 1..MAX_RUNS, default 10."""
+    if text is None:
+        return 10
+    runs = int(text) if text.isascii() and text.isdigit() else 0
+    if not 1 <= runs <= MAX_RUNS:
+        raise BadRequest(f"runs: {text!r} must be a whole number from 1 to {MAX_RUNS}")
+    return runs
+
+
 class V2Endpoints:
     """One method per OIP v2 REST endpoint."""
 
-    def __init__(self, dataplane: DataPlane, metrics: RuntimeMetrics) -> None:
+    def __init__(self, dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
+        self.admin_token = admin_token.encode() if admin_token is not None else None
+        self.profiler = Profiler()
 
     async def live(self) -> Response:
         return _obj({"live": self.dataplane.live()})
@@ -143,14 +158,35 @@ class V2Endpoints:
                             media_type="application/octet-stream")
         return _json(result.status, result.body, headers or None)
 
+    async def profile(self, request: Request, model_name: str, version: str) -> Response:
+        """Per-operator timing of a loaded version on its own session (an admin call: bearer token)."""
+        if self.admin_token is None:
+            return _json(403, b'{"error":"profiling is disabled: start the runtime with --admin-token-file"}')
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.admin_token):
+            challenge = 'Bearer realm="mnn-rollout admin"' + (', error="invalid_token"' if given else "")
+            return _json(401, b'{"error":"a valid admin token is required: Authorization: Bearer TOKEN"}',
+                         {"WWW-Authenticate": challenge})
+        try:
+            runs = _runs(request.query_params.get("runs"))
+            model = self.dataplane.loaded_model(model_name, version)
+            shapes = {spec.name: shape for spec, shape in zip(model.inputs, model.warm_shapes)}
+            result = await self.profiler.run(Path(model.path), model.sha256, runs, shapes)
+        except InferenceError as exc:
+            return _error(exc)
+        except ProfileError as exc:
+            return _json(500, orjson.dumps({"error": f"profiling version {version!r} failed: {exc}"}))
+        return _obj(result.as_dict())
+
     async def metrics_endpoint(self) -> Response:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
-def create_app(dataplane: DataPlane, metrics: RuntimeMetrics) -> FastAPI:
-    """Build the app and register every route explicitly."""
+def create_app(dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None) -> FastAPI:
+    """Build the app and register every route explicitly; ``admin_token`` enables the admin
+    endpoints (profiling) for requests that carry it."""
     app = FastAPI(title="mnn-rollout runtime", version="v2", docs_url=None, redoc_url=None)
-    ep = V2Endpoints(dataplane, metrics)
+    ep = V2Endpoints(dataplane, metrics, admin_token)
     app.add_api_route("/v2/health/live", ep.live, methods=["GET"])
     app.add_api_route("/v2/health/ready", ep.ready, methods=["GET"])
     app.add_api_route("/v2", ep.server_metadata, methods=["GET"])
@@ -165,6 +201,9 @@ def create_app(dataplane: DataPlane, metrics: RuntimeMetrics) -> FastAPI:
         "/v2/models/{model_name}/versions/{version}/infer", ep.infer, methods=["POST"],
         openapi_extra=_INFER_OPENAPI,
     )
+    app.add_api_route("/v2/models/{model_name}/versions/{version}/profile", ep.profile, methods=["GET"],
+                      summary="mnn-rollout extension (admin, bearer token): per-operator timing of a version, "
+                              "?runs=1..1000 (default 10)")
     app.add_api_route("/metrics", ep.metrics_endpoint, methods=["GET"], include_in_schema=False)
 
     @app.exception_handler(RequestValidationError)

@@ -63,7 +63,8 @@ def _applier(metrics: RuntimeMetrics, apply: Callable[[RuntimeConfig], object], 
     return ConfigApplier(apply, on_result)
 
 
-def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApplier], Source]) -> Runtime:
+def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApplier], Source],
+              admin_token: str | None = None) -> Runtime:
     config = parse_config_text(text)
     metrics = RuntimeMetrics(config.model)
     registry = Registry(config, base_dir, metrics)
@@ -73,17 +74,20 @@ def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApp
     source = make_source(_applier(metrics, registry.apply, config.model))
     source.prime(text)
     dataplane = DataPlane(registry, metrics)
-    return Runtime(config, registry, metrics, dataplane, InferFastPath(create_app(dataplane, metrics), dataplane), source)
+    app = create_app(dataplane, metrics, admin_token)
+    return Runtime(config, registry, metrics, dataplane, InferFastPath(app, dataplane), source)
 
 
-def build_runtime(config_path: Path, poll_interval: float = 0.2) -> Runtime:
-    """Load a config file and every version in it; raises ConfigError on an invalid file."""
+def build_runtime(config_path: Path, poll_interval: float = 0.2, admin_token: str | None = None) -> Runtime:
+    """Load a config file and every version in it; raises ConfigError on an invalid file.
+    ``admin_token`` enables the admin endpoints (profiling) for requests that carry it."""
     text = config_path.read_text()
     return _assemble(text, config_path.parent,
-                     lambda applier: FileConfigSource(config_path, applier, interval=poll_interval))
+                     lambda applier: FileConfigSource(config_path, applier, interval=poll_interval), admin_token)
 
 
-def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: float = 120) -> Runtime:
+def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: float = 120,
+                                 admin_token: str | None = None) -> Runtime:
     """Load the config held in ConfigMap ``NAMESPACE/NAME``, retrying while it does not exist yet."""
     namespace, _, name = ref.partition("/")
     if not namespace or not name:
@@ -107,7 +111,7 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
                 raise ConfigError(f"configmap {ref}: cannot be read: {exc}") from None
             log.warning("configmap %s not readable yet (%s); retrying", ref, exc)
             time.sleep(1)
-    return _assemble(text, None, make)
+    return _assemble(text, None, make, admin_token)
 
 
 def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,
