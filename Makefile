@@ -59,6 +59,7 @@ bench: bench-deps system-deps
 	$(BIN)/python bench/throughput.py --seconds 3
 	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/memory_versions.py
 	$(BIN)/python bench/hot_add.py
 	$(BIN)/python bench/ppocr.py
 	$(BIN)/python bench/weight_propagation.py

@@ -21,6 +21,22 @@ def examples_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def large_dir(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Path:
+    """v1 (stable, 100%) beside ``large``, the ~56 MB example (fp32 weights packed at load: what
+    it holds is about its file), at weight 0, in ``runtime.yaml``."""
+    import yaml
+    from mnn_runtime.examples import LARGE, build_example
+
+    out = tmp_path_factory.mktemp("large")
+    build_example(LARGE, out)
+    shutil.copy(examples_dir / "v1.mnn", out / "v1.mnn")
+    (out / "runtime.yaml").write_text(yaml.safe_dump({
+        "model": "scorer", "stable": "v1", "weights": {"v1": 100, "large": 0},
+        "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "large", "uri": "large.mnn"}]}))
+    return out
+
+
 @pytest.fixture
 def model_dir(tmp_path: Path, examples_dir: Path) -> Path:
     """A private copy of the examples that a test may change or break."""

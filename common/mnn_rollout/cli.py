@@ -76,19 +76,22 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--admin-token-file", metavar="PATH", default=None,
                    help="enable the admin endpoints (GET /v2/models/M/versions/V/profile) for requests with "
                         "'Authorization: Bearer TOKEN', TOKEN read from this file at start (default: disabled)")
+    p.add_argument("--feedback-token-file", metavar="PATH", default=None,
+                   help="require 'Authorization: Bearer TOKEN' on POST /v2/models/M/feedback, TOKEN read from "
+                        "this file at start (default: the feedback endpoint takes no token)")
 
 
-def _admin_token(path: str | None) -> str | None:
-    """The token in ``--admin-token-file`` (surrounding whitespace removed); raises ValueError
-    naming the flag when it cannot be used."""
+def _token(path: str | None, flag: str = "--admin-token-file") -> str | None:
+    """The token in the file a ``--*-token-file`` flag names (surrounding whitespace removed);
+    raises ValueError naming the flag when it cannot be used."""
     if path is None:
         return None
     try:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--admin-token-file {path!r}: cannot be read: {exc}") from None
+        raise ValueError(f"{flag} {path!r}: cannot be read: {exc}") from None
     if not token or not (token.isascii() and token.isprintable()) or " " in token:
-        raise ValueError(f"--admin-token-file {path!r}: must hold one token of printable ASCII without spaces")
+        raise ValueError(f"{flag} {path!r}: must hold one token of printable ASCII without spaces")
     return token
 
 
@@ -101,7 +104,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
         return 2
     try:
-        token = _admin_token(args.admin_token_file)
+        token = _token(args.admin_token_file)
+        feedback_token = _token(args.feedback_token_file, "--feedback-token-file")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -119,8 +123,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     def build():  # type: ignore[no-untyped-def]
         if args.config:
-            return build_runtime(Path(args.config), admin_token=token)
-        return build_runtime_from_configmap(args.configmap, admin_token=token)
+            return build_runtime(Path(args.config), admin_token=token, feedback_token=feedback_token)
+        return build_runtime_from_configmap(args.configmap, admin_token=token, feedback_token=feedback_token)
 
     try:
         if workers > 1:

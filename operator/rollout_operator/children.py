@@ -20,11 +20,13 @@ from typing import Any
 
 import yaml
 
-from mnn_rollout.contract.config import (CONFIG_KEY, DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, YAML_LOADER,
-                                         RuntimeConfig, dump_config)
+from mnn_rollout.contract.config import (CONFIG_KEY, DOWNLOAD_MAX_BYTES_ENV, DOWNLOAD_TIMEOUT_ENV,
+                                         DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, MODEL_CACHE_ENV,
+                                         YAML_LOADER, RuntimeConfig, dump_config)
 from mnn_rollout.contract.routing import RoutingTable, decode
 
-from .spec import DEFAULT_IMAGE, AutoscalingSpec, ModelDeploymentSpec, cpu_quantity
+from .spec import (DEFAULT_IMAGE, MODEL_CACHE_DIR, MODEL_CACHE_VOLUME, AutoscalingSpec, ModelDeploymentSpec,
+                   ModelSourceSpec, cpu_quantity)
 
 GROUP = "mnnrollout.io"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
@@ -189,7 +191,9 @@ def runtime_config(
         "weights": {v: int(weights.get(v, 0)) for v in versions},
         "stable": stable,
         "routing": spec.routing.model_dump(exclude_none=True),
-        "server": {"max_body_bytes": spec.runtime.max_body_bytes},
+        "server": {"max_body_bytes": spec.runtime.max_body_bytes,
+                   **({"idle_unload_seconds": spec.runtime.idle_unload_seconds}
+                      if spec.runtime.idle_unload_seconds else {})},
     }
     config = RuntimeConfig.model_validate(data)
     table = RoutingTable.build(config.salt, config.effective_weights(), config.stable_version, previous)
@@ -223,18 +227,56 @@ def render_configmap(target: Target, config: RuntimeConfig) -> dict[str, Any]:
     })
 
 
-def workers_arg(workers: int | None, resources: Mapping[str, Any]) -> str:
-    """``--workers`` for the runtime: as given, else one per CPU the container may use: its CPU
-    limit, else its CPU request (rounded up, 1-64); ``auto`` (the runtime counts) without either.
-    A pod without a CPU limit sees every core of its node, so the runtime's own count would be
-    too many."""
+def workers_arg(workers: int | None, resources: Mapping[str, Any], threads: int = 1) -> str:
+    """``--workers`` for the runtime: as given, else one per ``threads`` CPUs the container may
+    use (``threads``: the most a version's forward uses): its CPU limit, else its CPU request
+    (rounded up, 1-64); ``auto`` (the runtime counts) without either. A pod without a CPU limit
+    sees every core of its node, so the runtime's own count would be too many."""
     if workers is not None:
         return str(workers)
     for kind in ("limits", "requests"):
         cpu = (resources.get(kind) or {}).get("cpu")
         if cpu is not None:
-            return str(min(64, max(1, math.ceil(cpu_quantity(cpu)))))
+            return str(max(1, min(64, math.ceil(cpu_quantity(cpu))) // threads))
     return "auto"
+
+
+def cache_mounts(spec: ModelDeploymentSpec) -> list[tuple[str, str]]:
+    """(volume name, path) of an emptyDir for each distinct ``versions[].engine.cacheDir`` that no
+    mount holds already (the runtime's /tmp, the user's ``runtime.volumeMounts`` or another cache
+    directory): one the user mounted stays theirs (a PersistentVolumeClaim keeps the cache across
+    pods; an emptyDir keeps it across container restarts)."""
+    mounted = ["/tmp", *(str(m.get("mountPath", "")) for m in spec.runtime.volume_mounts)]
+    out: list[tuple[str, str]] = []
+    for path in sorted({v.engine.cache_dir.rstrip("/") for v in spec.versions if v.engine and v.engine.cache_dir}):
+        if any(path == m.rstrip("/") or path.startswith(m.rstrip("/") + "/") for m in mounted if m.strip("/")):
+            continue
+        out.append((f"mnn-cache-{hashlib.sha256(path.encode()).hexdigest()[:8]}", path))
+        mounted.append(path)
+    return out
+
+
+def model_source_env(source: ModelSourceSpec) -> list[dict[str, Any]]:
+    """The runtime's environment for remote versions: its download cache and bounds and, for S3,
+    the endpoint, the region and the keys from the Secret (read by the kubelet: neither the
+    operator nor the runtime's ServiceAccount may read Secrets)."""
+    env: list[dict[str, Any]] = [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_DIR},
+                                 {"name": DOWNLOAD_TIMEOUT_ENV, "value": str(source.timeout_seconds)},
+                                 {"name": DOWNLOAD_MAX_BYTES_ENV, "value": str(source.max_bytes)}]
+    s3 = source.s3
+    if s3 is None:
+        return env
+    if s3.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
+    if s3.region:
+        env.append({"name": "AWS_REGION", "value": s3.region})
+    if s3.secret_name:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            ref: dict[str, Any] = {"name": s3.secret_name, "key": key}
+            if key == "AWS_SESSION_TOKEN":
+                ref["optional"] = True  # only temporary credentials have one
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
 
 
 def render_deployment(target: Target, spec: ModelDeploymentSpec, config: RuntimeConfig,
@@ -252,7 +294,8 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "image": rt.image or default_image,
         "command": ["mnn-rollout"],
         "args": ["serve", "--configmap", f"$(POD_NAMESPACE)/{target.routing}", "--host", "0.0.0.0",
-                 "--port", str(rt.port), "--workers", workers_arg(rt.workers, rt.resources or DEFAULT_RESOURCES)],
+                 "--port", str(rt.port), "--workers", workers_arg(rt.workers, rt.resources or DEFAULT_RESOURCES,
+                                                                 spec.max_threads())],
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -271,7 +314,8 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
             "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *rt.volume_mounts],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *rt.volume_mounts,
+                         *({"name": name, "mountPath": path} for name, path in cache_mounts(spec))],
         # Endpoints take a moment to drop a terminating pod: keep serving meanwhile, then SIGTERM
         # stops accepting and finishes what is in flight (within the grace period below).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
@@ -290,8 +334,13 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         },
         "terminationGracePeriodSeconds": PRESTOP_SECONDS + DRAIN_SECONDS,
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *rt.volumes],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *rt.volumes,
+                    *({"name": name, "emptyDir": {}} for name, _ in cache_mounts(spec))],
     }
+    if spec.model_source is not None:  # remote versions: an emptyDir to download into, the S3 settings
+        container["env"] += model_source_env(spec.model_source)
+        container["volumeMounts"].append({"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR})
+        pod_spec["volumes"].append({"name": MODEL_CACHE_VOLUME, "emptyDir": {}})
     if rt.node_selector:
         pod_spec["nodeSelector"] = dict(rt.node_selector)
     if rt.tolerations:

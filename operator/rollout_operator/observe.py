@@ -1,8 +1,8 @@
 """Observe the runtime pods: which are ready, and which versions each has loaded (and why not).
 
-Each pod answers ``GET /v2/models/{model}/status`` with every version's state and reason. The
-scrape is concurrent and bounded by a short timeout so that one stuck pod cannot stall a
-reconcile.
+Each pod answers ``GET /v2/models/{model}/status`` with every version's state and reason, and
+the backend it runs on beside the one its engine settings ask for. The scrape is concurrent and
+bounded by a short timeout so that one stuck pod cannot stall a reconcile.
 """
 
 from __future__ import annotations
@@ -32,11 +32,23 @@ class PodView:
 
 
 @dataclass(frozen=True)
+class EngineFallback:
+    """Pods that run a version on another backend than its ``engine.backend`` (one the node lacks)."""
+
+    requested: str
+    backend: str
+    pods: int
+    reason: str | None
+
+
+@dataclass(frozen=True)
 class VersionView:
     name: str
     ready_pods: int
     pods: int
     reason: str | None
+    fallback: EngineFallback | None = None
+    offloaded_pods: int = 0  # of the ready ones: unloaded while idle, loading again on demand
 
     @property
     def ready(self) -> bool:
@@ -47,6 +59,13 @@ class VersionView:
                                "pods": self.pods}
         if self.reason:
             out["reason"] = self.reason
+        if self.offloaded_pods:
+            out["offloadedPods"] = self.offloaded_pods
+        if self.fallback is not None:
+            fb = self.fallback
+            out.update(requestedBackend=fb.requested, backend=fb.backend,
+                       engineFallback=f"{fb.pods} of {self.pods} pods run it on {fb.backend}, not {fb.requested}"
+                                      + (f": {fb.reason}" if fb.reason else ""))
         return out
 
 
@@ -65,13 +84,18 @@ class Observation:
     def version(self, spec: VersionSpec) -> VersionView:
         """A version is ready when every pod that answers has it loaded from exactly the ``uri``
         (and, when the spec names one, the ``sha256``) of ``spec``: a pod still serving an older
-        file of the version, or that failed to load the new one, does not count."""
+        file of the version, or that failed to load the new one, does not count. A version the pod
+        unloaded while idle (``runtime.idleUnloadSeconds``) counts: the pod loads that same file
+        again for its next request, and before a config gives it weight."""
         pods = self.answering
-        ready, failed, loading = 0, [], []
+        ready, offloaded, failed, loading = 0, 0, [], []
         for pod in pods:
             state = (pod.status or {}).get("versions", {}).get(spec.name)
             serves = _serves(state, spec)
-            if state and state.get("ready") and serves is None:
+            if state and state.get("state") == "offloaded" and serves is None:
+                ready += 1
+                offloaded += 1
+            elif state and state.get("ready") and serves is None:
                 ready += 1
             elif state and state.get("reason"):
                 failed.append(f"{pod.name}: {state['reason']}")
@@ -82,7 +106,21 @@ class Observation:
         reasons = failed or loading  # a load failure says more than "not yet"
         reason = None if not reasons else reasons[0] + (f" (and {len(reasons) - 1} more pods)" if len(reasons) > 1
                                                           else "")
-        return VersionView(spec.name, ready, len(pods), reason)
+        return VersionView(spec.name, ready, len(pods), reason, _fallback(pods, spec.name), offloaded)
+
+
+def _fallback(pods: list[PodView], version: str) -> EngineFallback | None:
+    """The backend fallback the pods report for ``version``: the first one's, with the number of
+    pods reporting the same (None when none does)."""
+    engines = [((p.status or {}).get("versions", {}).get(version) or {}).get("engine") or {} for p in pods]
+    fallen = [e for e in engines if e.get("fallback")]
+    if not fallen:
+        return None
+    first = fallen[0]
+    same = [e for e in fallen if (e.get("requested_backend"), e.get("backend")) ==
+            (first.get("requested_backend"), first.get("backend"))]
+    return EngineFallback(str(first.get("requested_backend")), str(first.get("backend")), len(same),
+                          first.get("reason"))
 
 
 def _serves(state: dict[str, Any] | None, spec: VersionSpec) -> str | None:

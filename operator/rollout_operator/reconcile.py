@@ -136,6 +136,7 @@ class Reconciler:
             # children happened, and is said now, or never.
             return Outcome(status, child_events, written, False, None, conflict=True)
         events.extend(child_events)
+        events.extend(self._engine_events(status, new))
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote, analysis)
 
@@ -216,6 +217,18 @@ class Reconciler:
         if not first and old_versions and old_versions != new_versions:
             events.append(Event("Normal", "VersionsChanged", f"versions {old_versions} -> {new_versions}"))
         return events
+
+    @staticmethod
+    def _engine_events(old: RolloutStatus, new: RolloutStatus) -> list[Event]:
+        """A Warning for each version whose pods now run it on another backend than its engine
+        settings ask for (a backend the node lacks: the runtime falls back to CPU), once per change:
+        the pair is kept in the status."""
+        before = {v.get("name"): (v.get("requestedBackend"), v.get("backend")) for v in old.versions}
+        return [Event("Warning", "EngineFallback",
+                      f"version {v['name']}: requested backend {v['requestedBackend']}, runs on {v['backend']} "
+                      f"({v.get('engineFallback')})")
+                for v in new.versions
+                if v.get("requestedBackend") and before.get(v.get("name")) != (v["requestedBackend"], v.get("backend"))]
 
     def _write_status(self, body: dict[str, Any], new: RolloutStatus) -> bool:
         """Write the whole status, only when it changed, and only over the version it was decided

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from importlib import resources as package_files
 from typing import Any, Literal
@@ -162,6 +163,8 @@ class RoutingSpec(_Model):
 
 
 RESERVED_VOLUME = "tmp"  # the runtime's own emptyDir at /tmp (its root filesystem is read-only)
+# with spec.modelSource: the emptyDir the runtime downloads remote model files into
+MODEL_CACHE_VOLUME, MODEL_CACHE_DIR = "model-cache", "/var/cache/mnn-rollout"
 
 
 @functools.cache
@@ -193,11 +196,11 @@ def pod_field_errors(raw: dict[str, Any]) -> list[str]:
     errors.extend(_toleration_errors(raw.get("tolerations") or []))
     names = [v.get("name") for v in raw.get("volumes") or []]
     for n, name in enumerate(names):
-        if name == RESERVED_VOLUME:
+        if name in (RESERVED_VOLUME, MODEL_CACHE_VOLUME):
             errors.append(f"volumes.{n}.name: {name!r} is the runtime's own volume; choose another name")
         elif name in names[:n]:
             errors.append(f"volumes.{n}.name: {name!r} is used by another volume")
-    paths: list[str] = ["/tmp"]
+    paths: list[str] = ["/tmp", MODEL_CACHE_DIR]
     for n, mount in enumerate(raw.get("volumeMounts") or []):
         if mount.get("name") not in names:
             errors.append(f"volumeMounts.{n}.name: {mount.get('name')!r} names no volume in runtime.volumes "
@@ -274,6 +277,8 @@ class RuntimeSpec(_Model):
     workers: int | None = Field(default=None, ge=1, le=64)  # None: one per CPU of the pod's limit
     port: int = Field(default=8080, ge=1024, le=65535)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, alias="maxBodyBytes")
+    # unload a version with weight 0 (not stable) after this long without a request; None: never
+    idle_unload_seconds: float | None = Field(default=None, ge=1, alias="idleUnloadSeconds")
     resources: dict[str, Any] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
@@ -314,6 +319,51 @@ class RuntimeSpec(_Model):
         return self
 
 
+SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # DNS-1123 subdomain
+S3_ENDPOINT = re.compile(r"^https?://[^/\s?#@]+/?$")
+
+
+class S3SourceSpec(_Model):
+    """Where ``s3://`` versions come from: an S3-compatible endpoint and the Secret holding the keys
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, optionally ``AWS_SESSION_TOKEN``, as KServe's
+    S3 Secrets). Without ``secretName`` the pod's own identity is used (IRSA, pod identity)."""
+
+    endpoint: str | None = None  # None: AWS S3 of the region
+    region: str | None = None
+    secret_name: str | None = Field(default=None, alias="secretName")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not S3_ENDPOINT.match(value):
+            raise ValueError(f"endpoint {value!r} is not an http(s)://HOST[:PORT] URL; valid: e.g. "
+                             "https://s3.eu-west-1.amazonaws.com, http://minio.storage:9000")
+        return value
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", value):
+            raise ValueError(f"region {value!r} is not a region name; valid: e.g. us-east-1")
+        return value
+
+    @field_validator("secret_name")
+    @classmethod
+    def _secret_name(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 253 or not SECRET_NAME.match(value)):
+            raise ValueError(f"secretName {value!r} is not a Secret name (a DNS-1123 subdomain)")
+        return value
+
+
+class ModelSourceSpec(_Model):
+    """How the runtime pods fetch remote versions (``https://``, ``s3://``): the S3 endpoint and
+    credentials, and the bounds of one download. The pods download into an emptyDir of their own."""
+
+    s3: S3SourceSpec | None = None
+    timeout_seconds: int = Field(default=600, ge=1, le=86400, alias="timeoutSeconds")
+    max_bytes: int = Field(default=4 * 1024**3, ge=1, alias="maxBytes")
+
+
 class ModelDeploymentSpec(_Model):
     model: str | None = None
     versions: list[VersionSpec] = Field(min_length=1, max_length=16)
@@ -325,6 +375,7 @@ class ModelDeploymentSpec(_Model):
     paused: bool = False
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    model_source: ModelSourceSpec | None = Field(default=None, alias="modelSource")
 
     @model_validator(mode="after")
     def _cross_field(self) -> ModelDeploymentSpec:
@@ -338,7 +389,30 @@ class ModelDeploymentSpec(_Model):
             raise ValueError(f"progressDeadlineSeconds: {self.progress_deadline_seconds} is not longer than "
                              f"strategy.analysis.interval ({self.strategy.analysis.interval}): no step could ever "
                              "be analysed before the deadline")
+        self._threads_fit_the_cpu_limit()
         return self
+
+    def _threads_fit_the_cpu_limit(self) -> None:
+        """``runtime.workers`` x the most ``engine.threads`` of a version must fit the CPU limit
+        (rounded up, as the runtime counts CPUs): more threads than CPUs only wait for each other."""
+        threads = self.max_threads()
+        cpu = (self.runtime.resources.get("limits") or {}).get("cpu")
+        if threads <= 1 or cpu is None:
+            return
+        cpus = math.ceil(cpu_quantity(cpu))
+        workers = self.runtime.workers if self.runtime.workers is not None else max(1, cpus // threads)
+        if workers * threads > cpus:
+            index = next(i for i, v in enumerate(self.versions) if v.engine and v.engine.threads == threads)
+            given = f"runtime.workers {workers}" if self.runtime.workers is not None else "1 worker (the least)"
+            cpus_text = f"{cpus} CPU{'s' if cpus > 1 else ''}"
+            raise ValueError(
+                f"versions.{index}.engine.threads: {threads} (version {self.versions[index].name!r}) x {given} = "
+                f"{workers * threads} threads, more than runtime.resources.limits.cpu {cpu!r} allows ({cpus_text}, "
+                "rounded up); lower the threads or runtime.workers, or raise the CPU limit")
+
+    def max_threads(self) -> int:
+        """The most CPU threads one forward of any version uses (``versions[].engine.threads``)."""
+        return max(v.engine.threads if v.engine else 1 for v in self.versions)
 
     def model_name(self, default: str) -> str:
         return self.model or default

@@ -21,10 +21,12 @@ from . import binary as binary_ext
 from .batching import Batcher, batching_off_reason
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
 from mnn_rollout.contract.config import BatchingSpec
-from .errors import BadRequest, InferenceError, ModelNotFound
+from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
+from .feedback import FeedbackBook, new_id, parse_feedback
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
 from .model import LoadedModel
-from .registry import Registry, Snapshot, VersionState
+from .registry import OFFLOADED, Registry, Snapshot, VersionState
+from .shadow import Shadow
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class DataPlane:
         # (event loop, version) -> (the model and spec it was made for, its batcher or None when
         # the model cannot be batched)
         self._batchers: dict[tuple[int, str], tuple[LoadedModel, BatchingSpec, Batcher | None]] = {}
+        self.feedback_book = FeedbackBook()  # the versions that answered requests with ids of their own
+        self.shadow = Shadow(registry, metrics.shadow)  # stable's requests run again on the shadow version
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -91,6 +95,7 @@ class DataPlane:
                 "stable_version": snap.config.stable_version,
                 "weights": snap.weights,
                 "sha256": state.model.sha256,
+                "engine": state.model.engine.as_parameters(),  # asked for and actual: backend, threads
             },
         }
 
@@ -112,7 +117,8 @@ class DataPlane:
             "versions_digest": snap.config.version_set_digest(),
             "versions": {
                 name: {"ready": v.ready, "state": v.state, "reason": v.reason, "uri": v.spec.uri,
-                       "sha256": v.model.sha256 if v.model else None, "batching": _batching_status(v)}
+                       "sha256": v.model.sha256 if v.model else v.sha256, "batching": _batching_status(v),
+                       "engine": v.model.engine.as_parameters() if v.model else None}
                 for name, v in snap.versions.items()
             },
         }
@@ -137,16 +143,27 @@ class DataPlane:
             if parse_error is not None:
                 raise parse_error
             assert version is not None and request is not None
-            state = snap.version(version)
+            state = await self._loaded(snap, version)
             arrays, wanted = self._inputs(state, request, snap.config.server.max_batch, binary)
             assert state.model is not None
             batcher = self._batcher(state) if state.spec.batching is not None else None
+            forward_seconds: float | None = None  # stable's, the shadow's baseline (unbatched only)
             if batcher is None:
                 # On the loop itself: forward holds the GIL, so a thread hop would only add its cost.
+                forward_started = time.perf_counter()
                 outputs = state.model.infer(arrays)
+                forward_seconds = time.perf_counter() - forward_started
             else:
                 outputs = await batcher.infer(arrays)
+            given = request.get("id")
+            if isinstance(given, str) and given:
+                self.feedback_book.remember(given, version)
+            else:  # every response carries an id; a made one names its version (see feedback.py)
+                request["id"] = new_id(version)
             payload, json_length = _response(model, version, request, state, outputs, wanted)
+            if snap.config.shadow is not None:  # queued for its own thread; never waited for
+                self.shadow.offer(snap, version, bool(url_version or headers.get(PIN_HEADER)), state.model, arrays,
+                                  outputs, forward_seconds)
             status = 200
             return InferResult(200, payload, version, json_length)
         except InferenceError as exc:
@@ -159,6 +176,33 @@ class DataPlane:
             if label != UNROUTED:
                 self.metrics.in_flight.labels(self.metrics.model, label).dec()
             self.metrics.observe(label, outcome_of(status), time.perf_counter() - started)
+
+    def feedback(self, model: str, body: bytes) -> dict[str, int]:
+        """Count each feedback item for the version that answered the request it names; items
+        whose request is unknown here or too old are counted as unmatched, not refused."""
+        snap = self._snapshot_for(model)
+        items = parse_feedback(body)
+        counted = 0
+        for request_id, value in items:
+            version, why = self.feedback_book.version(request_id)
+            if version is None or version not in snap.versions:
+                self.metrics.feedback_unmatched.labels(self.metrics.model, why or "unknown").inc()
+                continue
+            self.metrics.count_feedback(version, value)
+            counted += 1
+        return {"counted": counted, "unmatched": len(items) - counted}
+
+    async def _loaded(self, snap: Snapshot, version: str) -> VersionState:
+        """The version's state, once loaded: an offloaded one is loaded again first (this request
+        waits for it; others asking meanwhile wait for the same load)."""
+        state = snap.versions.get(version)
+        if state is None or state.state != OFFLOADED:
+            return snap.version(version)
+        reloaded = await asyncio.wrap_future(self.registry.reload(version))
+        if reloaded is None or reloaded.model is None:
+            raise VersionNotReady(f"version {version!r} is not ready: "
+                                  f"{reloaded.reason if reloaded else 'no longer listed'}")
+        return reloaded
 
     def _batcher(self, state: VersionState) -> Batcher | None:
         """This loop's batcher for a version with batching configured; None when the model
@@ -195,7 +239,9 @@ class DataPlane:
         nothing else identifies the user."""
         pinned = url_version or headers.get(PIN_HEADER)
         if pinned:
-            snap.version(pinned)
+            state = snap.versions.get(pinned)
+            if state is None or state.state != OFFLOADED:  # an offloaded one loads for it
+                snap.version(pinned)
             return pinned
         routing = snap.config.routing
         key = headers.get(routing.header.lower())

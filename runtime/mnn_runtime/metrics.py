@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -77,6 +78,13 @@ class RuntimeMetrics:
             registry=self.registry,
             multiprocess_mode="mostrecent",
         )
+        self.offloaded = Gauge(
+            "mnn_version_offloaded",
+            "1 when the version was unloaded while idle (it loads again on its next request), else 0.",
+            ["model", "version"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
         self.memory = Gauge(
             "mnn_version_memory_bytes",
             "Resident memory loading and warming up the version added to the process that loaded it "
@@ -85,6 +93,37 @@ class RuntimeMetrics:
             registry=self.registry,
             multiprocess_mode="mostrecent",
         )
+        self.feedback = Counter(
+            "mnn_feedback",
+            "Feedback items counted for the version that answered the request they name.",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        # Sums of feedback values: never decreasing (values are >= 0), read as counters. Gauges
+        # only to keep these names (a Counter would add _total); "sum" adds every worker's, dead
+        # ones included, as counters do.
+        self.feedback_value = Gauge(
+            "mnn_feedback_value_sum",
+            "Sum of the feedback values counted per version (a conversion rate: divide by mnn_feedback_total).",
+            ["model", "version"],
+            registry=self.registry,
+            multiprocess_mode="sum",
+        )
+        self.feedback_squares = Gauge(
+            "mnn_feedback_value_squared_sum",
+            "Sum of the squared feedback values per version (the variance of a mean, for the sequential test).",
+            ["model", "version"],
+            registry=self.registry,
+            multiprocess_mode="sum",
+        )
+        self.feedback_unmatched = Counter(
+            "mnn_feedback_unmatched",
+            "Feedback items not counted: an id this worker never answered (unknown) or answered too long ago (expired).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        for reason in ("unknown", "expired"):
+            self.feedback_unmatched.labels(model, reason)
         self.batch_rows = Histogram(
             "mnn_inference_batch_rows",
             "Rows per forward of a version with dynamic batching (summed over the requests batched).",
@@ -109,6 +148,8 @@ class RuntimeMetrics:
             multiprocess_mode="max",
         )
         self.start_time.labels(model).set(time.time())
+        self.shadow = ShadowMetrics(model, self.registry)  # children made for the shadow version only
+        self._observed: dict[tuple[str, str], tuple[Any, Any]] = {}  # see observe
         self.touch(UNROUTED)
 
     def touch(self, version: str) -> None:
@@ -117,12 +158,22 @@ class RuntimeMetrics:
             self.requests.labels(self.model, version, outcome)
         self.latency.labels(self.model, version)
         self.in_flight.labels(self.model, version)
+        if version != UNROUTED:
+            self.feedback.labels(self.model, version)
+            self.feedback_value.labels(self.model, version)
+            self.feedback_squares.labels(self.model, version)
+
+    def count_feedback(self, version: str, value: float) -> None:
+        self.feedback.labels(self.model, version).inc()
+        self.feedback_value.labels(self.model, version).inc(value)
+        self.feedback_squares.labels(self.model, version).inc(value * value)
 
     def set_version_state(self, version: str, weight: int, loaded: bool, load_seconds: float | None,
-                          memory_bytes: int | None = None) -> None:
+                          memory_bytes: int | None = None, offloaded: bool = False) -> None:
         self.touch(version)
         self.weight.labels(self.model, version).set(weight / 100.0)
         self.loaded.labels(self.model, version).set(1 if loaded else 0)
+        self.offloaded.labels(self.model, version).set(1 if offloaded else 0)
         if load_seconds is not None:
             self.load_duration.labels(self.model, version).set(load_seconds)
         self.memory.labels(self.model, version).set(memory_bytes if loaded and memory_bytes is not None else 0)
@@ -131,12 +182,18 @@ class RuntimeMetrics:
         """A version left the config: its weight, loaded and memory gauges drop to 0 (counters stay)."""
         self.weight.labels(self.model, version).set(0)
         self.loaded.labels(self.model, version).set(0)
+        self.offloaded.labels(self.model, version).set(0)
         self.memory.labels(self.model, version).set(0)
 
     def observe(self, version: str, outcome: str, seconds: float) -> None:
-        self.requests.labels(self.model, version, outcome).inc()
+        # the children of each (version, outcome), looked up once: labels() costs ~1.5 µs a call
+        children = self._observed.get((version, outcome))
+        if children is None:
+            children = self._observed[(version, outcome)] = (self.requests.labels(self.model, version, outcome),
+                                                             self.latency.labels(self.model, version))
+        children[0].inc()
         if outcome == "success":
-            self.latency.labels(self.model, version).observe(seconds)
+            children[1].observe(seconds)
 
     def exposition(self) -> bytes:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -147,6 +204,31 @@ class RuntimeMetrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=directory)
         return generate_latest(registry) + generate_latest(self._processes)
+
+    def activity(self) -> dict[str, tuple[float, float]]:
+        """Per version: (requests answered, requests in flight), over every worker. A version whose
+        pair has not changed and has nothing in flight was not used meanwhile."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=directory)
+            families = registry.collect()
+        else:
+            families = self.registry.collect()
+        answered: dict[str, float] = {}
+        in_flight: dict[str, float] = {}
+        for family in families:
+            for sample in family.samples:
+                version = sample.labels.get("version")
+                if version is None:
+                    continue
+                if sample.name == "mnn_inference_requests_total":
+                    answered[version] = answered.get(version, 0.0) + sample.value
+                elif sample.name == "mnn_inference_in_flight_requests":
+                    in_flight[version] = in_flight.get(version, 0.0) + sample.value
+        return {v: (answered.get(v, 0.0), in_flight.get(v, 0.0)) for v in answered.keys() | in_flight.keys()}
 
     @property
     def _processes(self) -> CollectorRegistry:
@@ -220,6 +302,109 @@ class ProcessTreeCollector:
                                      "processes, summed, with that of exited workers.", labels=["model"])
         family.add_metric([self.model], cpu)
         yield family
+
+
+# Outcomes of a request offered to the shadow version, and why a shadow run was an error.
+SHADOW_OUTCOMES = ("compared", "error", "dropped", "skipped")
+SHADOW_ERRORS = ("mismatch", "failed", "nonfinite", "not_loaded")
+# 25 µs to 10 s: a forward alone, from a small scorer's to a detection model's.
+FORWARD_BUCKETS = (
+    0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)
+
+
+class ShadowMetrics:
+    """Shadow traffic (``shadow.py``), labelled with the shadow version. With workers, counters
+    and the ``sum`` gauges add up over every worker (exited ones too: they never decrease) and
+    the largest difference is the largest any worker saw."""
+
+    def __init__(self, model: str, registry: CollectorRegistry) -> None:
+        self.model = model
+        labels = ["model", "version"]
+        self.requests = Counter(
+            "mnn_shadow_requests",
+            "Requests offered to the shadow version, by outcome: compared, error (mnn_shadow_errors_total says why), "
+            "dropped (its queue was full) or skipped (not loaded in this process at that moment).",
+            [*labels, "outcome"], registry=registry,
+        )
+        self.errors = Counter(
+            "mnn_shadow_errors",
+            "Shadow runs that failed, by reason: mismatch (its inputs or outputs do not fit stable's), failed "
+            "(the forward raised or gave nothing), nonfinite (NaN or infinity where stable had a number), "
+            "not_loaded (the version failed to load).",
+            [*labels, "reason"], registry=registry,
+        )
+        self.duration = Histogram(
+            "mnn_shadow_duration_seconds", "Forward time of the shadow version on a shadowed request.",
+            labels, buckets=FORWARD_BUCKETS, registry=registry,
+        )
+        self.stable_duration = Histogram(
+            "mnn_shadow_stable_duration_seconds",
+            "Forward time of stable on the same requests (those it ran unbatched): the baseline of "
+            "mnn_shadow_duration_seconds.",
+            labels, buckets=FORWARD_BUCKETS, registry=registry,
+        )
+        self.rows = Counter(
+            "mnn_shadow_rows", "Rows of class-like outputs compared (float, last dimension > 1: one argmax per row).",
+            labels, registry=registry,
+        )
+        self.agreeing_rows = Counter(
+            "mnn_shadow_agreeing_rows", "Compared rows whose argmax over the last axis is the same in both versions.",
+            labels, registry=registry,
+        )
+        # Never decreasing, read as counters: gauges only to keep these names (see feedback_value).
+        self.diff_sum = Gauge(
+            "mnn_shadow_abs_diff_sum",
+            "Sum of |shadow - stable| over every output element compared (a mean: divide by "
+            "mnn_shadow_abs_diff_count).",
+            labels, registry=registry, multiprocess_mode="sum",
+        )
+        self.diff_count = Gauge(
+            "mnn_shadow_abs_diff_count", "Output elements compared.",
+            labels, registry=registry, multiprocess_mode="sum",
+        )
+        self.diff_max = Gauge(
+            "mnn_shadow_abs_diff_max",
+            "Largest |shadow - stable| of any output element compared since the runtime started.",
+            labels, registry=registry, multiprocess_mode="max",
+        )
+        self._max: dict[str, float] = {}  # the largest difference this process saw, per version
+        self._compared: dict[str, tuple[Any, ...]] = {}
+
+    def touch(self, version: str) -> None:
+        """Create every child of a shadow version at zero."""
+        for outcome in SHADOW_OUTCOMES:
+            self.requests.labels(self.model, version, outcome)
+        for reason in SHADOW_ERRORS:
+            self.errors.labels(self.model, version, reason)
+        for family in (self.duration, self.stable_duration, self.rows, self.agreeing_rows, self.diff_sum,
+                       self.diff_count, self.diff_max):
+            family.labels(self.model, version)
+
+    def count(self, version: str, outcome: str, reason: str | None = None) -> None:
+        self.requests.labels(self.model, version, outcome).inc()
+        if reason is not None:
+            self.errors.labels(self.model, version, reason).inc()
+
+    def compared(self, version: str, rows: int, agreeing: int, diff_sum: float, diff_count: int,
+                 diff_max: float) -> None:
+        children = self._compared.get(version)
+        if children is None:  # looked up once: labels() costs as much as a small model's forward
+            children = self._compared[version] = (
+                self.requests.labels(self.model, version, "compared"), self.rows.labels(self.model, version),
+                self.agreeing_rows.labels(self.model, version), self.diff_sum.labels(self.model, version),
+                self.diff_count.labels(self.model, version))
+        for child, amount in zip(children, (1, rows, agreeing, diff_sum, diff_count)):
+            child.inc(amount)
+        if diff_max > self._max.get(version, 0.0):
+            self._max[version] = diff_max
+            self.diff_max.labels(self.model, version).set(diff_max)
+
+    def timed(self, version: str, seconds: float, stable_seconds: float | None) -> None:
+        self.duration.labels(self.model, version).observe(seconds)
+        if stable_seconds is not None:
+            self.stable_duration.labels(self.model, version).observe(stable_seconds)
 
 
 def outcome_of(status_code: int) -> str:

@@ -1,9 +1,10 @@
 """One loaded MNN version: load and check it, a pool of clones, and a forward that cannot crash.
 
 Rules this module keeps, each for an MNN behaviour measured with MNN 3.6.1:
-- one runtime manager with numThread=1: without one MNN starts a hidden 4-thread pool (the
-  ``thread_num=`` argument is ignored), and a child forked from a parent whose runtime had more
-  than one thread hangs forever in ``forward``; one thread is fork-safe;
+- always a runtime manager (``engine.open_runtime``: one per version, from its engine settings):
+  without one MNN starts a hidden 4-thread pool (the ``thread_num=`` argument is ignored); a
+  process that will fork loads on one thread only (see ``engine``), and a worker loads the
+  versions that need more again after the fork (``for_this_process``);
 - weights packed at load (``rearrange=True``; otherwise the first forward packs them), which also
   frees the file's unpacked copy, so workers forked afterwards share the packed weights;
 - never two concurrent forwards on one module (the same module used from two threads at once
@@ -19,18 +20,21 @@ Rules this module keeps, each for an MNN behaviour measured with MNN 3.6.1:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import os
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mnn_rollout.contract.config import EngineSpec, VersionSpec
+
 from .codec import TensorSpec
+from . import engine
+from .engine import EngineInfo, Runtime, default_info, open_runtime
 from .errors import BadRequest, InferenceFailed
 
 # Input dtypes MNN's F.const takes correctly (float64 and int64 inputs are silently misread).
@@ -39,9 +43,8 @@ _OIP_TO_NUMPY = {"FP32": np.float32, "INT32": np.int32, "UINT8": np.uint8, "FP64
 
 # Sizes tried for open dimensions other than the batch when no warmup shape is given.
 _PROBE_SIZES = (32, 48, 64, 224)
-
-_runtime_lock = threading.Lock()
-_runtime_manager: Any = None
+# A loaded module, its inputs, outputs, input formats and the shapes it was warmed up with.
+_Loaded = tuple[Any, list[TensorSpec], list[TensorSpec], list[Any], tuple[tuple[int, ...], ...]]
 
 
 class ModelLoadError(Exception):
@@ -61,16 +64,6 @@ def _mnn() -> tuple[Any, Any]:
     return nn, F
 
 
-def runtime_manager() -> Any:
-    """The process-wide CPU runtime manager with exactly one MNN thread (fork-safe)."""
-    global _runtime_manager
-    with _runtime_lock:
-        if _runtime_manager is None:
-            nn, _ = _mnn()
-            _runtime_manager = nn.create_runtime_manager(({"backend": "CPU", "numThread": 1},))
-        return _runtime_manager
-
-
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -79,23 +72,10 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def captured_native_stdout() -> Iterator[list[str]]:
-    """Capture what MNN's C++ code prints to fd 1 (it reports missing weight files only there)."""
-    lines: list[str] = []
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        saved = os.dup(1)
-        try:
-            os.dup2(sink.fileno(), 1)
-            yield lines
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-            sink.seek(0)
-            text = sink.read().decode(errors="replace")
-            lines.extend(line for line in text.splitlines() if line.strip())
-            if text:
-                os.write(1, text.encode())
+def captured_native_stdout() -> contextlib.AbstractContextManager[list[str]]:
+    """Capture what MNN's C++ code prints to fd 1 (it reports missing weight files only there),
+    passing it on to stdout as well."""
+    return engine.native_output(echo=True)
 
 
 class LoadedModel:
@@ -110,12 +90,14 @@ class LoadedModel:
         input_formats: Sequence[Any],
         load_seconds: float,
         sha256: str,
+        engine: EngineInfo | None = None,
     ) -> None:
         self.path = path
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.load_seconds = load_seconds
         self.sha256 = sha256
+        self.engine = engine or default_info()  # what it runs on (and what its spec asked for)
         self._module = module
         self._input_formats = tuple(input_formats)
         self._free: list[Any] = []
@@ -126,37 +108,92 @@ class LoadedModel:
 
     @classmethod
     def load(cls, path: Path, sha256: str | None = None,
-             warmup_shapes: Mapping[str, Sequence[int]] | None = None) -> LoadedModel:
+             warmup_shapes: Mapping[str, Sequence[int]] | None = None,
+             engine: EngineSpec | None = None, name: str | None = None) -> LoadedModel:
         """Load, verify and warm up one ``.mnn`` file, or raise ModelLoadError with the reason.
         ``warmup_shapes`` gives the shape to warm an input up with when the model leaves
-        dimensions other than the batch open (an image model's height and width)."""
+        dimensions other than the batch open (an image model's height and width). ``engine``:
+        how MNN runs it (default CPU, one thread); a backend that is missing here, or that cannot
+        load the model, falls back to CPU. ``name`` (the version) names its compile cache file."""
         started = time.perf_counter()
         if not path.is_file():
             raise ModelLoadError(f"model file {str(path)!r} does not exist")
         actual = file_sha256(path)
         if sha256 is not None and actual != sha256:
             raise ModelLoadError(f"model file {str(path)!r} has sha256 {actual}, expected {sha256}")
+        stem = f"{name or path.stem}-{actual[:12]}"
+        runtime = open_runtime(engine, stem)
+        try:
+            module, inputs, outputs, formats, warm = cls._load_on(runtime, path, warmup_shapes or {})
+        except ModelLoadError as exc:
+            if runtime.info.backend == "CPU":
+                raise
+            runtime = open_runtime(engine, stem, cpu_because=f"it could not be loaded on {runtime.info.backend} "
+                                                              f"({exc.reason})")
+            module, inputs, outputs, formats, warm = cls._load_on(runtime, path, warmup_shapes or {})
+        model = cls(path, module, inputs, outputs, formats, time.perf_counter() - started, actual, runtime.info)
+        model.warm_shapes = warm
+        return model
+
+    @classmethod
+    def _load_on(cls, runtime: Runtime, path: Path, warmup_shapes: Mapping[str, Sequence[int]]) -> _Loaded:
+        """Load ``path`` on ``runtime`` and warm it up, its compile cache read before and written
+        after (a failed load writes none)."""
+        runtime.set_cache()
+        try:
+            loaded = cls._load_module(runtime.manager, path, warmup_shapes)
+        except BaseException:
+            runtime.drop_cache()
+            raise
+        runtime.update_cache()
+        return loaded
+
+    @classmethod
+    def _load_module(cls, manager: Any, path: Path, warmup_shapes: Mapping[str, Sequence[int]]) -> _Loaded:
+        """The module, its inputs, outputs, input formats and warm shapes, or ModelLoadError."""
         nn, _ = _mnn()
         module = None
         with captured_native_stdout() as printed:
             try:
                 # rearrange: weights are packed at load and the file's copy is let go (measured: a
                 # 52 MB fp32 model holds 50 MB instead of 99 MB once run; same speed and outputs)
-                module = nn.load_module_from_file(str(path), [], [], runtime_manager=runtime_manager(),
-                                                  rearrange=True)
+                module = nn.load_module_from_file(str(path), [], [], runtime_manager=manager, rearrange=True)
             except (SystemError, RuntimeError, ValueError):
                 module = None
             if module is not None:
                 inputs, formats = cls._read_inputs(module, path)
-                outputs, inputs, warm = cls._probe(module, inputs, formats, path, warmup_shapes or {})
+                outputs, inputs, warm = cls._probe(module, inputs, formats, path, warmup_shapes)
         if module is None:
             said = f" (MNN: {'; '.join(printed)})" if printed else ""
             raise ModelLoadError(f"model file {str(path)!r} is not a valid MNN model{said}")
         missing = [line for line in printed if "Can't open file" in line]
         if missing:
             raise ModelLoadError(f"model {str(path)!r} needs a file that cannot be opened: {missing[0]}")
-        model = cls(path, module, inputs, outputs, formats, time.perf_counter() - started, actual)
-        model.warm_shapes = warm
+        return module, inputs, outputs, formats, warm
+
+    def for_this_process(self, spec: VersionSpec) -> LoadedModel:
+        """In a worker just forked: this version on its own engine. ``self`` (shared with the
+        supervisor) unless it was loaded on a fork-safe stand-in (``engine.per_process``); then it
+        is loaded again here, or, when the engine it gets here is the stand-in's (a GPU backend
+        this node lacks, one thread), shared as it is. A load that fails keeps the stand-in."""
+        if not self.engine.per_process:
+            return self
+        try:
+            runtime = open_runtime(spec.engine, f"{spec.name}-{self.sha256[:12]}")
+            if runtime.info.backend == "CPU" and runtime.info.threads == 1:
+                return self._on(runtime.info)
+            return LoadedModel.load(self.path, self.sha256, spec.warmup_shapes, spec.engine, spec.name)
+        except ModelLoadError as exc:
+            return self._on(dataclasses.replace(
+                self.engine, per_process=False,
+                reason=f"could not be loaded again in this worker ({exc.reason}): serves the supervisor's copy "
+                       "on CPU with 1 thread"))
+
+    def _on(self, engine: EngineInfo) -> LoadedModel:
+        """The same module and weights, described as running on ``engine``."""
+        model = LoadedModel(self.path, self._module, self.inputs, self.outputs, self._input_formats,
+                            self.load_seconds, self.sha256, engine)
+        model.warm_shapes = self.warm_shapes
         return model
 
     @staticmethod

@@ -8,21 +8,26 @@ version); if a changed file fails to load, the version keeps serving its previou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mnn_rollout.contract.config import RuntimeConfig, VersionSpec
 from .errors import VersionNotFound, VersionNotReady
+from . import engine
 from .metrics import RuntimeMetrics, resident_bytes
 from .model import LoadedModel, ModelLoadError
+from .sources import local_file
 from mnn_rollout.contract.routing import RoutingTable
 
 log = logging.getLogger(__name__)
 
-READY, FAILED, PENDING = "ready", "failed", "pending"
+READY, FAILED, PENDING, OFFLOADED = "ready", "failed", "pending", "offloaded"
 PENDING_REASON = "being loaded by the supervisor process; the worker that replaces this one serves it"
 
 
@@ -35,6 +40,7 @@ class VersionState:
     model: LoadedModel | None = None
     reason: str | None = None
     memory_bytes: int | None = None  # resident memory its load added to the process that loaded it
+    sha256: str | None = None  # offloaded: the digest of the file it had loaded (and loads again)
 
     @property
     def ready(self) -> bool:
@@ -81,8 +87,12 @@ def next_table(config: RuntimeConfig, previous: RoutingTable | None) -> RoutingT
 
 
 def same_file(a: VersionSpec, b: VersionSpec) -> bool:
-    """Whether two specs name the same loaded model (file, digest and warm-up shapes)."""
-    return a.uri == b.uri and a.sha256 == b.sha256 and a.warmup_shapes == b.warmup_shapes
+    """Whether two specs name the same loaded model (file, digest, warm-up shapes and engine)."""
+    return a.uri == b.uri and a.sha256 == b.sha256 and a.warmup_shapes == b.warmup_shapes and a.engine == b.engine
+
+
+def max_threads(config: RuntimeConfig) -> int:
+    return max(v.engine.threads if v.engine else 1 for v in config.versions)
 
 
 class Registry:
@@ -93,6 +103,9 @@ class Registry:
         self.metrics = metrics
         self.load_new = True  # False in the workers of `serve --workers N`: the supervisor loads
         self._apply_lock = threading.Lock()
+        self._reload_lock = threading.Lock()
+        self._reloading: dict[str, Future[VersionState | None]] = {}
+        self.on_reload: Callable[[str], None] | None = None  # a worker tells its supervisor
         self.snapshot = self._build(config, {})
 
     def apply(self, config: RuntimeConfig) -> Snapshot:
@@ -101,11 +114,85 @@ class Registry:
             self.snapshot = self._build(config, self.snapshot.versions)
             return self.snapshot
 
+    def offload(self, names: Iterable[str], reason: str, wait: bool = True) -> list[str]:
+        """Unload the named versions that are loaded, have weight 0 and are not stable; returns
+        those it unloaded. Their memory goes once no request holds them (and, with workers, once
+        every process has let go). ``wait=False``: unload nothing when a config is being applied."""
+        if not self._apply_lock.acquire(blocking=wait):
+            return []
+        with self._apply_lock_held():
+            snap = self.snapshot
+            done = [n for n in names if n in snap.versions and snap.versions[n].state == READY
+                    and not snap.weights.get(n) and n not in (snap.config.stable_version, snap.config.shadow_version)]
+            if done:
+                versions = dict(snap.versions)
+                for name in done:
+                    old = versions[name]
+                    assert old.model is not None
+                    versions[name] = VersionState(old.spec, OFFLOADED, None, reason, None, old.model.sha256)
+                    self.metrics.set_version_state(name, 0, False, None, offloaded=True)
+                self.snapshot = dataclasses.replace(snap, versions=versions)
+                log.info("versions %s offloaded: %s", ", ".join(done), reason)
+            return done
+
+    @contextlib.contextmanager
+    def _apply_lock_held(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self._apply_lock.release()
+
+    def reload(self, name: str) -> Future[VersionState | None]:
+        """Load an offloaded version again, once however many ask, on a thread; the future gives
+        its state then (None: no longer listed)."""
+        with self._reload_lock:
+            future = self._reloading.get(name)
+            if future is None:
+                future = self._reloading[name] = Future()
+                threading.Thread(target=self._reload, args=(name, future), name=f"reload-{name}", daemon=True).start()
+            return future
+
+    def reload_now(self, names: Iterable[str]) -> list[str]:
+        """Load the named offloaded versions again here and now; returns those that loaded."""
+        loaded = []
+        for name in names:
+            with self._apply_lock:
+                snap = self.snapshot
+                old = snap.versions.get(name)
+                if old is None or old.state != OFFLOADED:
+                    continue
+                state = self._load(old.spec, None)
+                self.snapshot = dataclasses.replace(snap, versions={**snap.versions, name: state})
+                self.metrics.set_version_state(name, snap.weights.get(name, 0), state.ready,
+                                               state.model.load_seconds if state.model else None, state.memory_bytes)
+            if state.ready:
+                loaded.append(name)
+        return loaded
+
+    def _reload(self, name: str, future: Future[VersionState | None]) -> None:
+        try:
+            self.reload_now([name])
+            state = self.snapshot.versions.get(name)
+            if state is not None and state.ready and self.on_reload is not None:
+                self.on_reload(name)
+            future.set_result(state)
+        except BaseException as exc:  # noqa: BLE001 - the waiting requests get it, the thread ends
+            future.set_exception(exc)
+        finally:
+            with self._reload_lock:
+                self._reloading.pop(name, None)
+
     def _build(self, config: RuntimeConfig, previous: dict[str, VersionState]) -> Snapshot:
         versions: dict[str, VersionState] = {}
+        weights = config.effective_weights()
+        if self.load_new:
+            engine.reserve_threads(max_threads(config))  # MNN's pool is sized once: for the most first
         for spec in config.versions:
             old = previous.get(spec.name)
-            if old is not None and same_file(old.spec, spec) and old.ready:
+            if (old is not None and old.state == OFFLOADED and same_file(old.spec, spec) and not weights[spec.name]
+                    and spec.name not in (config.stable_version, config.shadow_version)):  # shadow: loaded here
+                versions[spec.name] = dataclasses.replace(old, spec=spec)  # stays unloaded until asked for
+            elif old is not None and same_file(old.spec, spec) and old.ready:
                 # same file: keep the loaded model, take the rest of the spec (batching) as given
                 versions[spec.name] = dataclasses.replace(old, spec=spec) if old.state == READY else old
             elif not self.load_new:
@@ -117,7 +204,6 @@ class Registry:
                     versions[spec.name] = VersionState(spec, PENDING, None, PENDING_REASON)
             else:
                 versions[spec.name] = self._load(spec, old)
-        weights = config.effective_weights()
         current = getattr(self, "snapshot", None)  # None while the first snapshot is built
         base = next_table(config, current.base if current is not None else None)
         table = base
@@ -128,19 +214,22 @@ class Registry:
         for name, state in versions.items():
             self.metrics.set_version_state(
                 name, weights[name], state.ready, state.model.load_seconds if state.model else None,
-                state.memory_bytes,
+                state.memory_bytes, offloaded=state.state == OFFLOADED,
             )
         for name in set(previous) - set(versions):
             self.metrics.forget_version(name)
+        if config.shadow is not None:
+            self.metrics.shadow.touch(config.shadow.version)
         return Snapshot(config=config, versions=versions, table=table, weights=weights, base=base)
 
     def _load(self, spec: VersionSpec, old: VersionState | None) -> VersionState:
-        path = spec.path(self.base_dir)
         import MNN.nn  # noqa: F401 - imported before measuring: the engine's ~18 MB are not this version's
 
-        before = resident_bytes()
         try:
-            model = LoadedModel.load(path, spec.sha256, spec.warmup_shapes)
+            # a remote file: from the cache, downloaded first if need be (never by a worker)
+            path = local_file(spec, self.base_dir, download=self.load_new)
+            before = resident_bytes()  # after the download: its buffers are not this version's
+            model = LoadedModel.load(path, spec.sha256, spec.warmup_shapes, spec.engine, spec.name)
         except ModelLoadError as exc:
             if old is not None and old.ready:
                 # A bad file never replaces a good one: keep serving the previous file.
@@ -154,6 +243,28 @@ class Registry:
         log.info("version %s loaded from %s in %.3f s (%s MB resident added)", spec.name, path, model.load_seconds,
                  f"{memory / 1e6:.1f}" if memory is not None else "?")
         return VersionState(spec, READY, model, memory_bytes=memory)
+
+    def load_per_process(self) -> None:
+        """In a worker just forked: load again, each on its own engine, the versions the supervisor
+        loaded on a fork-safe stand-in (threads > 1, a GPU backend: see ``engine``); the others
+        stay shared with the supervisor."""
+        engine.fork_parent(False)
+        with self._apply_lock:
+            snap = self.snapshot
+            engine.reserve_threads(max_threads(snap.config))
+            versions = dict(snap.versions)
+            for name, state in snap.versions.items():
+                if state.model is None or not state.model.engine.per_process:
+                    continue
+                before = resident_bytes()
+                model = state.model.for_this_process(state.spec)
+                after = resident_bytes()
+                memory = state.memory_bytes if model is state.model or before is None or after is None \
+                    else max(0, after - before)
+                versions[name] = dataclasses.replace(state, model=model, memory_bytes=memory)
+                self.metrics.set_version_state(name, snap.weights.get(name, 0), True, model.load_seconds, memory)
+                log.info("version %s in this worker: %s", name, model.engine.as_parameters())
+            self.snapshot = dataclasses.replace(snap, versions=versions)
 
     @staticmethod
     def _fallback(config: RuntimeConfig, versions: dict[str, VersionState], weights: dict[str, int]) -> str | None:

@@ -105,10 +105,12 @@ def _runs(text: str | None) -> int:
 class V2Endpoints:
     """One method per OIP v2 REST endpoint."""
 
-    def __init__(self, dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None) -> None:
+    def __init__(self, dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None,
+                 feedback_token: str | None = None) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
         self.admin_token = admin_token.encode() if admin_token is not None else None
+        self.feedback_token = feedback_token.encode() if feedback_token is not None else None
         self.profiler = Profiler()
 
     async def live(self) -> Response:
@@ -162,11 +164,9 @@ class V2Endpoints:
         """Per-operator timing of a loaded version on its own session (an admin call: bearer token)."""
         if self.admin_token is None:
             return _json(403, b'{"error":"profiling is disabled: start the runtime with --admin-token-file"}')
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.admin_token):
-            challenge = 'Bearer realm="mnn-rollout admin"' + (', error="invalid_token"' if given else "")
-            return _json(401, b'{"error":"a valid admin token is required: Authorization: Bearer TOKEN"}',
-                         {"WWW-Authenticate": challenge})
+        refused = _unauthorized(request, self.admin_token, "admin")
+        if refused is not None:
+            return refused
         try:
             runs = _runs(request.query_params.get("runs"))
             model = self.dataplane.loaded_model(model_name, version)
@@ -178,15 +178,40 @@ class V2Endpoints:
             return _json(500, orjson.dumps({"error": f"profiling version {version!r} failed: {exc}"}))
         return _obj(result.as_dict())
 
+    async def feedback(self, request: Request, model_name: str) -> Response:
+        """Outcomes of answered requests, counted per version (``feedback.py``); behind a bearer
+        token when the runtime has one (``--feedback-token-file``)."""
+        if self.feedback_token is not None:
+            refused = _unauthorized(request, self.feedback_token, "feedback")
+            if refused is not None:
+                return refused
+        try:
+            limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
+            body = await read_body(dict(request.headers), request.receive, limit)
+            return _obj(self.dataplane.feedback(model_name, body or b""))
+        except InferenceError as exc:
+            return _error(exc)
+
     async def metrics_endpoint(self) -> Response:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
-def create_app(dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None) -> FastAPI:
+def _unauthorized(request: Request, token: bytes, realm: str) -> Response | None:
+    """None when the request carries ``Authorization: Bearer <token>``; else the 401 to answer."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token):
+        return None
+    challenge = f'Bearer realm="mnn-rollout {realm}"' + (', error="invalid_token"' if given else "")
+    return _json(401, orjson.dumps({"error": f"a valid {realm} token is required: Authorization: Bearer TOKEN"}),
+                 {"WWW-Authenticate": challenge})
+
+
+def create_app(dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None,
+               feedback_token: str | None = None) -> FastAPI:
     """Build the app and register every route explicitly; ``admin_token`` enables the admin
-    endpoints (profiling) for requests that carry it."""
+    endpoints (profiling) for requests that carry it, ``feedback_token`` guards the feedback one."""
     app = FastAPI(title="mnn-rollout runtime", version="v2", docs_url=None, redoc_url=None)
-    ep = V2Endpoints(dataplane, metrics, admin_token)
+    ep = V2Endpoints(dataplane, metrics, admin_token, feedback_token)
     app.add_api_route("/v2/health/live", ep.live, methods=["GET"])
     app.add_api_route("/v2/health/ready", ep.ready, methods=["GET"])
     app.add_api_route("/v2", ep.server_metadata, methods=["GET"])
@@ -204,6 +229,8 @@ def create_app(dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str |
     app.add_api_route("/v2/models/{model_name}/versions/{version}/profile", ep.profile, methods=["GET"],
                       summary="mnn-rollout extension (admin, bearer token): per-operator timing of a version, "
                               "?runs=1..1000 (default 10)")
+    app.add_api_route("/v2/models/{model_name}/feedback", ep.feedback, methods=["POST"],
+                      summary="mnn-rollout extension: outcomes of answered requests, [{id, value}], counted per version")
     app.add_api_route("/metrics", ep.metrics_endpoint, methods=["GET"], include_in_schema=False)
 
     @app.exception_handler(RequestValidationError)

@@ -22,12 +22,14 @@ import uvicorn
 from mnn_rollout.contract.config import (DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, ConfigError, RuntimeConfig,
                                          dump_config, parse_config_text)
 from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
+from . import engine
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
 from .registry import Registry, next_table, same_file
 from .fastpath import InferFastPath
-from .workers_channel import CONFIG_MESSAGE, MAX_CONFIG_BYTES
+from .idle import IdleUnloader
+from .workers_channel import CONFIG_MESSAGE, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, send_message
 from .rest import create_app
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class Runtime:
 
     def close(self) -> None:
         self.source.stop()
+        self.dataplane.shadow.close()
 
 
 def _applier(metrics: RuntimeMetrics, apply: Callable[[RuntimeConfig], object], model: str) -> ConfigApplier:
@@ -64,7 +67,7 @@ def _applier(metrics: RuntimeMetrics, apply: Callable[[RuntimeConfig], object], 
 
 
 def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApplier], Source],
-              admin_token: str | None = None) -> Runtime:
+              admin_token: str | None = None, feedback_token: str | None = None) -> Runtime:
     config = parse_config_text(text)
     metrics = RuntimeMetrics(config.model)
     registry = Registry(config, base_dir, metrics)
@@ -74,20 +77,22 @@ def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApp
     source = make_source(_applier(metrics, registry.apply, config.model))
     source.prime(text)
     dataplane = DataPlane(registry, metrics)
-    app = create_app(dataplane, metrics, admin_token)
+    app = create_app(dataplane, metrics, admin_token, feedback_token)
     return Runtime(config, registry, metrics, dataplane, InferFastPath(app, dataplane), source)
 
 
-def build_runtime(config_path: Path, poll_interval: float = 0.2, admin_token: str | None = None) -> Runtime:
+def build_runtime(config_path: Path, poll_interval: float = 0.2, admin_token: str | None = None,
+                  feedback_token: str | None = None) -> Runtime:
     """Load a config file and every version in it; raises ConfigError on an invalid file.
     ``admin_token`` enables the admin endpoints (profiling) for requests that carry it."""
     text = config_path.read_text()
     return _assemble(text, config_path.parent,
-                     lambda applier: FileConfigSource(config_path, applier, interval=poll_interval), admin_token)
+                     lambda applier: FileConfigSource(config_path, applier, interval=poll_interval), admin_token,
+                     feedback_token)
 
 
 def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: float = 120,
-                                 admin_token: str | None = None) -> Runtime:
+                                 admin_token: str | None = None, feedback_token: str | None = None) -> Runtime:
     """Load the config held in ConfigMap ``NAMESPACE/NAME``, retrying while it does not exist yet."""
     namespace, _, name = ref.partition("/")
     if not namespace or not name:
@@ -111,7 +116,7 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
                 raise ConfigError(f"configmap {ref}: cannot be read: {exc}") from None
             log.warning("configmap %s not readable yet (%s); retrying", ref, exc)
             time.sleep(1)
-    return _assemble(text, None, make, admin_token)
+    return _assemble(text, None, make, admin_token, feedback_token)
 
 
 def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,
@@ -125,12 +130,14 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     from .workers_metrics import enable_multiprocess_metrics
 
     metrics_dir = enable_multiprocess_metrics()
+    engine.fork_parent(True)  # no MNN thread pool or GPU here: a worker forked after one would hang
     runtime = build()  # models loaded and warmed before the fork: shared copy-on-write
     sock = bind(host, port)
     log.info("serving on %s:%s with %d workers", host, port, workers)
 
     def serve_one(channel: Any, ready_fd: int) -> None:
         runtime.registry.load_new = False  # a worker never loads: the supervisor does, once
+        runtime.registry.load_per_process()  # ... but versions with threads > 1 or a GPU: here, on their engine
         serve(runtime, host, port, log_level, channel=channel, grpc_port=grpc_port, ready_fd=ready_fd)
 
     published = [runtime.registry.snapshot.base]
@@ -156,7 +163,23 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     # shared too (measured: an idle worker's private memory went from 9.9 to 6.9 MB).
     _uvicorn_config(runtime, host, port, log_level).load()
     import uvloop  # noqa: F401 - imported, not started: each worker makes its own loop
-    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply)
+    def reload(names: list[str]) -> bool:
+        """Load again the versions a worker loaded again for a request; True: replace the workers
+        (so that they share this copy instead of their own)."""
+        return bool(runtime.registry.reload_now(names))
+
+    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply, reload=reload)
+
+    def offload(names: list[str], reason: str) -> None:
+        def unload() -> None:  # on the supervisor's thread, which forks: never during a fork
+            done = runtime.registry.offload(names, reason, wait=False)  # a loading config: next time
+            if done:
+                supervisor.broadcast(OFFLOAD_MESSAGE + f"{','.join(done)}\n{reason}".encode())
+
+        supervisor.call_in_loop(unload)
+
+    unloader = IdleUnloader(runtime.registry, offload).start()
+
     def counted(result: str, reason: str | None) -> None:  # on the supervisor's thread: see call_in_loop
         supervisor.call_in_loop(lambda: runtime.metrics.config_reloads.labels(runtime.config.model, result).inc())
 
@@ -165,6 +188,7 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     try:
         return supervisor.run()
     finally:
+        unloader.stop()
         follower.stop()
 
 
@@ -191,6 +215,7 @@ class _Server(uvicorn.Server):
         self.app = app
         self.channel = channel
         self.on_config = on_config
+        self.on_offload: Callable[[list[str], str], object] | None = None  # versions the supervisor unloaded
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,6 +263,11 @@ class _Server(uvicorn.Server):
                     log.error("a config from the supervisor was over %d bytes and is ignored", MAX_CONFIG_BYTES)
                 elif self.on_config is not None:
                     self.on_config(data[len(CONFIG_MESSAGE):])
+                continue
+            if not fds and data.startswith(OFFLOAD_MESSAGE):
+                names, _, reason = data[len(OFFLOAD_MESSAGE):].decode().partition("\n")
+                if self.on_offload is not None:
+                    self.on_offload(names.split(","), reason)
                 continue
             if not data and not fds:  # the supervisor is gone: finish what we hold, then exit
                 loop.remove_reader(self.channel.fileno())
@@ -290,13 +320,18 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
     to ``ready_fd`` once serving. With ``grpc_port``, OIP v2 gRPC is served on the same event loop
     (every worker binds that port: SO_REUSEPORT)."""
     on_config = None
+    unloader = None
     if channel is None:
         runtime.source.start()
+        unloader = IdleUnloader(runtime.registry).start()
     else:  # a worker: configs come from the supervisor; it counts them, the worker applies them
         applier = ConfigApplier(runtime.registry.apply)
         on_config = lambda text: applier.offer(text.decode(), "the supervisor")  # noqa: E731
+        # a version it loaded again for a request: the supervisor loads it too, for the next workers
+        runtime.registry.on_reload = lambda name: send_message(os.getpid(), channel, RELOAD_MESSAGE + name.encode())
     config = _uvicorn_config(runtime, host, port, log_level)
     server = _Server(config, runtime.app, channel, ready_fd, on_config)
+    server.on_offload = runtime.registry.offload
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -308,4 +343,6 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
 
             run_with_uvicorn(server, runtime.dataplane, host, grpc_port, reuse_port=channel is not None)
     finally:
+        if unloader is not None:
+            unloader.stop()
         runtime.close()

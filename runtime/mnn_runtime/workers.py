@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .workers_channel import send_config, send_connection
+from .workers_channel import CONFIG_MESSAGE, RELOAD_MESSAGE, send_config, send_connection, send_message
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,11 @@ class Supervisor(WorkerPool):
 
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
                  metrics_dir: Path | None, apply: Callable[[Any], bool] | None = None,
-                 ready_timeout: float = 60.0) -> None:
+                 ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None) -> None:
         super().__init__(workers, sock, serve_one, metrics_dir)
         self.apply = apply
+        self.reload = reload  # load again versions a worker loaded for a request; True: replace the workers
+        self._reloads: set[str] = set()
         self.ready_timeout = ready_timeout
         self._turn = 0
         sock.setblocking(False)
@@ -111,7 +113,8 @@ class Supervisor(WorkerPool):
         """Hand over new connections until woken (a signal, a config) or a child reports ready,
         at most ``timeout``."""
         listening = self.sock.fileno() if not self.stopping else -1
-        fds = [self._wake_r, *self._ready_fds.values(), *([listening] if listening >= 0 else [])]
+        channels = {ch.fileno(): ch for pid, ch in self._channels.items() if pid not in self.retiring}
+        fds = [self._wake_r, *self._ready_fds.values(), *([listening] if listening >= 0 else []), *channels]
         try:
             readable, _, _ = select.select(fds, [], [], timeout)
         except InterruptedError:
@@ -129,12 +132,34 @@ class Supervisor(WorkerPool):
             if fd == listening:
                 self._accept()
                 continue
+            if fd in channels:
+                self._from_worker(channels[fd])
+                continue
             pid = by_fd[fd]
             os.read(fd, 1)  # a byte: the child serves; b"" (EOF): it died first
             os.close(fd)
             del self._ready_fds[pid]
             if pid in self.children:
                 self.ready.add(pid)
+
+    def _from_worker(self, channel: socket.socket) -> None:
+        """What a worker wrote back: the versions it loaded again for a request (the next
+        ``_apply_pending`` loads them here too)."""
+        try:
+            data = channel.recv(4096, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data.startswith(RELOAD_MESSAGE):
+            self._reloads.add(data[len(RELOAD_MESSAGE):].decode(errors="replace"))
+            self._wake()
+
+    def broadcast(self, message: bytes) -> None:
+        """Send a message to every worker that is not being retired (on the supervisor's thread)."""
+        for pid, channel in list(self._channels.items()):
+            if pid not in self.retiring:
+                send_message(pid, channel, message)
 
     def _accept(self) -> None:
         for _ in range(256):  # a burst, then back to the loop (signals, children, configs)
@@ -169,9 +194,7 @@ class Supervisor(WorkerPool):
     def _broadcast(self, text: bytes) -> None:
         """Send a config to every worker (they apply new weights at once; a version they do not
         have yet stays pending until they are replaced)."""
-        for pid, channel in list(self._channels.items()):
-            if pid not in self.retiring:
-                send_config(pid, channel, text)
+        self.broadcast(CONFIG_MESSAGE + text)
 
     def _forward_pending(self) -> None:
         """Send the newest config handed in to every worker now; this process applies it later
@@ -196,15 +219,25 @@ class Supervisor(WorkerPool):
             if self._loaded.pop():
                 self._roll()
             self._reap()  # respawns that waited for the load
+        if self._reloads and self.reload is not None and self._deferred is None:
+            names, self._reloads = sorted(self._reloads), set()
+            reload = self.reload
+            self._start_loader(lambda: reload(names))
+            return
         if self._deferred is None or self.apply is None:
             return
         config, _ = self._deferred
         self._deferred = None
         apply = self.apply
+        self._start_loader(lambda: apply(config))
+
+    def _start_loader(self, work: Callable[[], bool]) -> None:
+        """Run ``work`` (load something) on the loader thread; once it returns True, the workers
+        are replaced (``_apply_pending``)."""
 
         def load() -> None:
             try:
-                changed = apply(config)
+                changed = work()
             except Exception:  # noqa: BLE001 - a bad update must never take the supervisor down
                 log.exception("the supervisor could not apply a new config; workers keep theirs")
                 changed = False

@@ -4,8 +4,11 @@ The supervisor binds the listening socket (``bind``) and accepts every connectio
 worker has a channel: one end of a Unix SOCK_SEQPACKET socket pair (``channel_pair``), over which
 the supervisor sends it either an accepted connection (one byte, the file descriptor travelling
 as SCM_RIGHTS: ``send_connection``) or a config (``CONFIG_MESSAGE`` then the config's YAML, in
-one message of at most ``MAX_CONFIG_BYTES``: ``send_config``). The worker's end is read by the
-worker's HTTP server (``server._Server._receive``).
+one message of at most ``MAX_CONFIG_BYTES``: ``send_config``), or the versions to unload
+(``OFFLOAD_MESSAGE`` then their names, comma-separated). The worker's end is read by the worker's
+HTTP server (``server._Server._receive``). A worker writes back one kind of message: a version it
+loaded again for a request (``RELOAD_MESSAGE`` then its name), so that the supervisor loads it too
+and forks workers that share it (``workers.Supervisor``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import socket
 log = logging.getLogger(__name__)
 
 CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
+OFFLOAD_MESSAGE = b"offload\n"  # supervisor -> worker: unload these versions (names, comma-separated)
+RELOAD_MESSAGE = b"reload\n"  # worker -> supervisor: this version was loaded again for a request
 MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
 
 
@@ -40,11 +45,15 @@ def send_connection(channel: socket.socket, conn: socket.socket) -> None:
 
 def send_config(pid: int, channel: socket.socket, text: bytes) -> None:
     """Send a config's YAML to the worker ``pid``; a failure is logged, never raised."""
-    message = CONFIG_MESSAGE + text
+    send_message(pid, channel, CONFIG_MESSAGE + text)
+
+
+def send_message(pid: int, channel: socket.socket, message: bytes) -> None:
+    """Send one message over the channel of worker ``pid``; a failure is logged, never raised."""
     if len(message) > MAX_CONFIG_BYTES:
-        log.error("config of %d bytes is over %d: workers keep theirs", len(message), MAX_CONFIG_BYTES)
+        log.error("a message of %d bytes is over %d: workers keep their state", len(message), MAX_CONFIG_BYTES)
         return
     try:
         channel.send(message)
     except OSError as exc:  # a worker that died: it is replaced from the newest state
-        log.warning("worker pid %d did not take the new config: %s", pid, exc)
+        log.warning("worker pid %d did not take the message %r: %s", pid, message.split(b"\n", 1)[0], exc)

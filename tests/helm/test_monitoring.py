@@ -37,6 +37,7 @@ def exported_metric_names() -> set[str]:
     runtime.load_duration.labels("scorer", "v1").set(1)
     runtime.in_flight.labels("scorer", "v1").set(0)
     runtime.memory.labels("scorer", "v1").set(1)
+    runtime.offloaded.labels("scorer", "v1").set(0)
     operator = OperatorMetrics()
     operator.set_state("ns", "scorer", operator_phase(), {"v1": 100}, 0)
     operator.rollbacks.labels("ns", "scorer", "x").inc()

@@ -268,3 +268,73 @@ def test_replicas_the_operator_owns_are_handed_over_before_it_lets_go() -> None:
     assert children.replicas_handover(desired, None, "mnn-rollout") is None  # created: nothing to hand over
     fixed = render({"v1": 100})["Deployment"]
     assert children.replicas_handover(fixed, live("mnn-rollout"), "mnn-rollout") is None  # replicas still rendered
+
+
+def test_idle_unload_reaches_the_runtime_config_only_when_set() -> None:
+    versions = [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}]
+    idle = parse_spec({"versions": versions, "runtime": {"idleUnloadSeconds": 300}})
+    config = children.runtime_config(idle, "scorer", {"v1": 100, "v2": 0}, "v1", ["v1"])
+    assert config.server.idle_unload_seconds == 300
+    plain = children.runtime_config(parse_spec({"versions": versions}), "scorer", {"v1": 100, "v2": 0}, "v1", ["v1"])
+    assert plain.server.idle_unload_seconds is None
+
+
+S3_SPEC = {"versions": [{"name": "v1", "uri": "/m/v1.mnn"},
+                        {"name": "v2", "uri": "s3://models/scorer/v2.mnn", "sha256": "0" * 64}],
+           "modelSource": {"s3": {"endpoint": "http://minio.storage:9000", "region": "eu-west-1",
+                                  "secretName": "s3-credentials"}, "timeoutSeconds": 120}}
+
+
+def _deployment(raw: dict[str, Any]) -> dict[str, Any]:
+    spec = parse_spec(raw)
+    config = children.runtime_config(spec, "scorer", {"v1": 100}, "v1", [v.name for v in spec.versions])
+    return children.render_deployment(TARGET, spec, config)
+
+
+def test_an_s3_model_source_gives_the_pods_the_secrets_keys_the_endpoint_and_a_download_cache() -> None:
+    import kubernetes_validate
+
+    dep = _deployment(S3_SPEC)
+    kubernetes_validate.validate(dep, "1.30", strict=True)
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[key] == {"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
+    assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s3-credentials", "key": "AWS_SESSION_TOKEN", "optional": True}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
+    assert env["AWS_REGION"]["value"] == "eu-west-1"
+    assert env["MNN_ROLLOUT_MODEL_CACHE"]["value"] == "/var/cache/mnn-rollout"
+    assert env["MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS"]["value"] == "120"
+    assert env["MNN_ROLLOUT_DOWNLOAD_MAX_BYTES"]["value"] == str(4 * 1024**3)
+    assert {"name": "model-cache", "mountPath": "/var/cache/mnn-rollout"} in container["volumeMounts"]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
+    assert container["securityContext"]["readOnlyRootFilesystem"]  # the cache is the emptyDir, not the image
+    # what the runtime reads is what the operator renders
+    from mnn_runtime.sources import SourceSettings
+
+    settings = SourceSettings.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    assert (str(settings.cache_dir), settings.timeout, settings.max_bytes) == ("/var/cache/mnn-rollout", 120,
+                                                                               4 * 1024**3)
+
+
+def test_without_a_model_source_the_pods_are_rendered_as_before() -> None:
+    plain = {"versions": S3_SPEC["versions"]}
+    dep = _deployment(plain)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert [e["name"] for e in container["env"]] == ["POD_NAMESPACE", "POD_NAME"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["tmp"]
+    assert [v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
+    # (an https:// version without modelSource downloads into the runtime's /tmp emptyDir)
+    with_source = _deployment({**plain, "modelSource": {}})
+    env = [e["name"] for e in with_source["spec"]["template"]["spec"]["containers"][0]["env"]]
+    assert "AWS_ACCESS_KEY_ID" not in env and "MNN_ROLLOUT_MODEL_CACHE" in env  # no s3: no keys, a cache all the same
+    assert dep["metadata"]["annotations"] != with_source["metadata"]["annotations"]  # a change rolls the pods
+
+
+def test_a_secret_less_s3_source_uses_the_pods_own_identity() -> None:
+    dep = _deployment({**S3_SPEC, "modelSource": {"s3": {"region": "us-east-2"}}})
+    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "AWS_ACCESS_KEY_ID" not in env and "AWS_ENDPOINT_URL" not in env
+    assert env["AWS_REGION"]["value"] == "us-east-2"

@@ -41,3 +41,14 @@ def test_a_failed_reload_that_still_serves_the_old_file_is_not_ready_and_gives_t
     obs = Observation([pod("a", v2=loaded("v2.mnn", SHA_A, reason=reason))])
     view = obs.version(VersionSpec(name="v2", uri="v2-new.mnn", sha256=SHA_B))
     assert not view.ready and view.reason == f"a: {reason}"
+
+
+def test_a_version_unloaded_while_idle_counts_as_ready_only_for_the_file_the_spec_names() -> None:
+    idle = {"ready": False, "state": "offloaded", "uri": "v2.mnn", "sha256": SHA_A,
+            "reason": "no request for 60 s at weight 0: unloaded; loads again on its next request"}
+    obs = Observation([pod("a", v2=loaded("v2.mnn")), pod("b", v2=idle)])
+    view = obs.version(VersionSpec(name="v2", uri="v2.mnn", sha256=SHA_A))
+    assert view.ready and (view.ready_pods, view.offloaded_pods, view.reason) == (2, 1, None)
+    assert view.as_status()["offloadedPods"] == 1
+    other = obs.version(VersionSpec(name="v2", uri="v2.mnn", sha256=SHA_B))  # another file: must load first
+    assert not other.ready and other.offloaded_pods == 0

@@ -85,8 +85,9 @@ BASE: dict[str, Any] = {"versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "
         ({"canary": "v9"}, "spec.canary: 'v9' is not a listed version"),
         ({"canary": "v2", "weights": {"v1": 100}}, "set either weights (a static split) or canary, not both"),
         ({"canary": "v2", "stable": "v2"}, "spec.canary: 'v2' is also the stable version"),
+        ({"runtime": {"idleUnloadSeconds": 0.5}}, "spec.runtime.idleUnloadSeconds"),
         ({"versions": [{"name": "V2", "uri": "a"}]}, "spec.versions.0.name: version name 'V2' is not a DNS-1123"),
-        ({"versions": [{"name": "v1", "uri": "s3://b/v1.mnn"}]}, "unsupported scheme 's3'"),
+        ({"versions": [{"name": "v1", "uri": "gs://b/v1.mnn"}]}, "unsupported scheme 'gs'"),
         ({"strategy": {"steps": [{"weight": 10, "pause": "soon"}]}}, "'soon' is not a duration"),
         ({"strategy": {"analysis": {"interval": "500ms"}}}, "interval '500ms' is below the minimum of 1s"),
         ({"strategy": {"analysis": {"metrics": [{"name": "error-rate"}]}}}, "metric 'error-rate' needs a threshold"),
@@ -306,3 +307,91 @@ def test_the_autoscaling_defaults_match() -> None:
     assert spec.runtime.autoscaling is not None
     assert _crd_default(["runtime", "autoscaling", "minReplicas"]) == spec.runtime.autoscaling.min_replicas == 1
     assert parse_spec(BASE).runtime.autoscaling is None
+
+
+# -- model sources: https:// and s3:// versions, spec.modelSource ------------------------------------------------
+
+DIGEST = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("version", "message", "crd_path"),
+    [
+        ({"uri": "https://models.example.com/v1.mnn"},
+         "spec.versions.0.sha256: required for the remote uri 'https://models.example.com/v1.mnn'",
+         "spec.versions[0].sha256"),
+        ({"uri": "s3://models/v1.mnn"}, "spec.versions.0.sha256: required for the remote uri 's3://models/v1.mnn'",
+         "spec.versions[0].sha256"),
+        ({"uri": "s3://m/v1.mnn", "sha256": DIGEST}, "spec.versions.0.uri: uri 's3://m/v1.mnn' is not s3://BUCKET/KEY",
+         "spec.versions[0].uri"),
+        ({"uri": "s3://models/scorer/", "sha256": DIGEST}, "is not s3://BUCKET/KEY", "spec.versions[0].uri"),
+        ({"uri": "http://models.example.com/v1.mnn", "sha256": DIGEST},
+         "spec.versions.0.uri: uri 'http://models.example.com/v1.mnn' is plain http", "spec.versions[0].uri"),
+        ({"uri": "gs://models/v1.mnn", "sha256": DIGEST}, "unsupported scheme 'gs'", "spec.versions[0].uri"),
+        ({"uri": "https://models.example.com/" + "a" * 2048, "sha256": DIGEST}, "valid: at most 2048",
+         "spec.versions[0].uri"),
+    ],
+)
+def test_remote_versions_are_refused_by_the_operator_and_the_crd_without_a_digest_or_with_a_bad_uri(
+        version: dict[str, Any], message: str, crd_path: str) -> None:
+    spec = {"versions": [{"name": "v1", **version}]}
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    assert message in str(info.value), str(info.value)
+    assert crd_path in [path for path, _ in validate(_md(spec), SCHEMA)]
+
+
+@pytest.mark.parametrize("uri", ["https://models.example.com/scorer/v1.mnn", "s3://models/scorer/v1.mnn",
+                                 "http://127.0.0.1:8000/v1.mnn", "file:///models/v1.mnn", "v1.mnn"])
+def test_remote_versions_with_a_digest_pass_both(uri: str) -> None:
+    spec = {"versions": [{"name": "v1", "uri": uri, "sha256": DIGEST}],
+            "modelSource": {"s3": {"endpoint": "http://minio.storage:9000", "region": "eu-west-1",
+                                   "secretName": "s3-credentials"}}}
+    assert validate(_md(spec), SCHEMA) == []
+    parsed = parse_spec(prune_and_default(_md(spec), SCHEMA)["spec"])
+    assert parsed.versions[0].remote == ("://" in uri and not uri.startswith("file://"))
+    assert parsed.model_source is not None and parsed.model_source.s3 is not None
+    assert parsed.model_source.s3.secret_name == "s3-credentials"
+
+
+@pytest.mark.parametrize(
+    ("source", "message", "crd_path"),
+    [
+        ({"s3": {"endpoint": "minio.storage:9000"}}, "spec.modelSource.s3.endpoint: endpoint 'minio.storage:9000' is "
+         "not an http(s)://HOST[:PORT] URL", "spec.modelSource.s3.endpoint"),
+        ({"s3": {"endpoint": "https://minio/bucket"}}, "spec.modelSource.s3.endpoint", "spec.modelSource.s3.endpoint"),
+        ({"s3": {"secretName": "S3_Creds"}}, "spec.modelSource.s3.secretName: secretName 'S3_Creds' is not a Secret "
+         "name", "spec.modelSource.s3.secretName"),
+        ({"s3": {"region": "us east"}}, "spec.modelSource.s3.region", "spec.modelSource.s3.region"),
+        ({"timeoutSeconds": 0}, "spec.modelSource.timeoutSeconds", "spec.modelSource.timeoutSeconds"),
+        ({"maxBytes": 0}, "spec.modelSource.maxBytes", "spec.modelSource.maxBytes"),
+        ({"s3": {"bucket": "models"}}, "spec.modelSource.s3.bucket: Extra inputs are not permitted", None),
+    ],
+)
+def test_an_invalid_model_source_is_refused_by_the_operator_and_the_crd(source: dict[str, Any], message: str,
+                                                                        crd_path: str | None) -> None:
+    spec = {**BASE, "modelSource": source}
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec)
+    assert message in str(info.value), str(info.value)
+    if crd_path is not None:  # (an unknown field is pruned by the API server, not refused)
+        assert crd_path in [path for path, _ in validate(_md(spec), SCHEMA)]
+
+
+def test_the_model_source_defaults_match() -> None:
+    source = parse_spec({**BASE, "modelSource": {}}).model_source
+    assert source is not None
+    assert _crd_default(["modelSource", "timeoutSeconds"]) == source.timeout_seconds == 600
+    assert _crd_default(["modelSource", "maxBytes"]) == source.max_bytes == 4 * 1024**3
+    assert parse_spec(BASE).model_source is None
+
+
+@pytest.mark.parametrize(("runtime", "message"), [
+    ({"volumes": [{"name": "model-cache", "emptyDir": {}}]}, "volumes.0.name: 'model-cache' is the runtime's own"),
+    ({"volumes": [{"name": "cache", "emptyDir": {}}],
+      "volumeMounts": [{"name": "cache", "mountPath": "/var/cache/mnn-rollout"}]},
+     "volumeMounts.0.mountPath: '/var/cache/mnn-rollout' is already mounted"),
+])
+def test_the_download_cache_volume_and_path_are_reserved(runtime: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse_spec({**BASE, "runtime": runtime})

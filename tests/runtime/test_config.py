@@ -33,6 +33,15 @@ def test_without_weights_the_stable_version_gets_everything() -> None:
     assert config.effective_weights() == {"v1": 0, "v2": 100}
 
 
+@pytest.mark.parametrize("uri", ["https://models.example.com/scorer/v1.mnn?version=3", "s3://models/scorer/v1.mnn",
+                                 "s3://my.models-2/a/b/v1.mnn", "http://127.0.0.1:8000/v1.mnn", "http://[::1]/v1.mnn",
+                                 "http://localhost/v1.mnn"])
+def test_remote_uris_with_a_digest_are_accepted(uri: str) -> None:
+    config = parse_config(with_(versions=[{"name": "v1", "uri": uri, "sha256": "a" * 64}], weights={}))
+    assert config.versions[0].remote
+    assert not parse_config(GOOD).versions[0].remote
+
+
 def test_file_uris_and_relative_paths_resolve() -> None:
     config = parse_config(GOOD)
     assert config.versions[0].path(Path("/base")) == Path("/base/v1.mnn")
@@ -48,8 +57,22 @@ def test_file_uris_and_relative_paths_resolve() -> None:
         ({"versions": [{"name": "v1", "uri": "a.mnn"}, {"name": "v1", "uri": "b.mnn"}], "weights": {}},
          ["duplicate version names", "['v1']"]),
         ({"versions": [{"name": "V_1", "uri": "a.mnn"}], "weights": {}}, ["versions.0.name", "'V_1'", "DNS-1123"]),
-        ({"versions": [{"name": "v1", "uri": "s3://bucket/v1.mnn"}], "weights": {}},
-         ["versions.0.uri", "s3://bucket/v1.mnn", "unsupported scheme", "file://"]),
+        ({"versions": [{"name": "v1", "uri": "gs://bucket/v1.mnn"}], "weights": {}},
+         ["versions.0.uri", "gs://bucket/v1.mnn", "unsupported scheme 'gs'", "file://, https://HOST/PATH or s3://"]),
+        ({"versions": [{"name": "v1", "uri": "https://models.example.com/v1.mnn"}], "weights": {}},
+         ["versions.0.sha256", "required for the remote uri 'https://models.example.com/v1.mnn'", "64 lowercase hex"]),
+        ({"versions": [{"name": "v1", "uri": "s3://models/v1.mnn"}], "weights": {}},
+         ["versions.0.sha256", "required for the remote uri 's3://models/v1.mnn'"]),
+        ({"versions": [{"name": "v1", "uri": "s3://models/", "sha256": "a" * 64}], "weights": {}},
+         ["versions.0.uri", "'s3://models/'", "is not s3://BUCKET/KEY"]),
+        ({"versions": [{"name": "v1", "uri": "s3://Models_2/v1.mnn", "sha256": "a" * 64}], "weights": {}},
+         ["versions.0.uri", "'s3://Models_2/v1.mnn'", "is not s3://BUCKET/KEY", "bucket name of 3-63"]),
+        ({"versions": [{"name": "v1", "uri": "http://models.example.com/v1.mnn", "sha256": "a" * 64}], "weights": {}},
+         ["versions.0.uri", "plain http to 'models.example.com'", "valid: https://", "loopback"]),
+        ({"versions": [{"name": "v1", "uri": "https://user:pw@models.example.com/v1.mnn", "sha256": "a" * 64}],
+          "weights": {}}, ["versions.0.uri", "carries a user or password", "Secret"]),
+        ({"versions": [{"name": "v1", "uri": "https:///v1.mnn", "sha256": "a" * 64}], "weights": {}},
+         ["versions.0.uri", "names no host"]),
         ({"versions": [{"name": "v1", "uri": "  "}], "weights": {}}, ["versions.0.uri", "empty"]),
         ({"versions": [{"name": "v1", "uri": "v1.mnn", "sha256": "abc"}], "weights": {}},
          ["versions.0.sha256", "'abc'", "64 lowercase hex"]),

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.runtime_server import RuntimeServer
@@ -63,20 +61,6 @@ def test_requests_are_counted_by_version_and_outcome(model_dir: Path, start_serv
     assert value(text, "mnn_inference_duration_seconds_count", model="scorer", version="v2") == 7
     assert value(text, "mnn_inference_duration_seconds_sum", model="scorer", version="v2") > 0
     assert value(text, "mnn_inference_in_flight_requests", model="scorer", version="v2") == 0
-
-
-@pytest.fixture(scope="module")
-def large_dir(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Path:
-    """v1 beside the ~56 MB example (fp32 weights packed at load: what it holds is about its file)."""
-    from mnn_runtime.examples import LARGE, build_example
-
-    out = tmp_path_factory.mktemp("large")
-    build_example(LARGE, out)
-    shutil.copy(examples_dir / "v1.mnn", out / "v1.mnn")
-    (out / "runtime.yaml").write_text(yaml.safe_dump({
-        "model": "scorer", "stable": "v1", "weights": {"v1": 100, "large": 0},
-        "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "large", "uri": "large.mnn"}]}))
-    return out
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])

@@ -8,9 +8,10 @@ would be valid.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote, urlparse
 
 import yaml
@@ -32,6 +33,64 @@ CONFIG_KEY = "runtime.yaml"
 DRAIN_CONNECTIONS_SECONDS = 5
 # ... then requests still in flight this long.
 DRAIN_IN_FLIGHT_SECONDS = 10
+# Model files from outside the pod (https://, s3://) are downloaded by the runtime into a cache
+# directory and checked against the version's sha256. The runtime reads where and how from its
+# environment (the operator renders these from spec.modelSource).
+REMOTE_SCHEMES = ("https", "http", "s3")  # http only to a loopback address: see uri_problem
+MAX_URI_LENGTH = 2048
+S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+MODEL_CACHE_ENV = "MNN_ROLLOUT_MODEL_CACHE"  # the cache directory (default: <tmp>/mnn-rollout-models)
+DOWNLOAD_TIMEOUT_ENV = "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS"  # longest one download may take
+DOWNLOAD_MAX_BYTES_ENV = "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES"  # largest file accepted
+DOWNLOAD_TIMEOUT_SECONDS = 600
+DOWNLOAD_MAX_BYTES = 4 * 1024**3
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether ``host`` is this machine: plain http:// is accepted only there (a test server, a
+    sidecar in the pod), since anywhere else it would be readable and changeable on the way."""
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def uri_problem(value: str) -> str | None:
+    """What is wrong with a version's ``uri``, naming the value and what is valid; None if nothing."""
+    valid = "valid: a path, file://, https://HOST/PATH or s3://BUCKET/KEY"
+    if not value.strip():
+        return f"uri is empty; {valid}"
+    if len(value) > MAX_URI_LENGTH:
+        return f"uri is {len(value)} characters long; valid: at most {MAX_URI_LENGTH}"
+    parsed = urlparse(value)
+    scheme = parsed.scheme
+    if scheme in ("", "file"):
+        return None
+    if scheme not in REMOTE_SCHEMES or not value.startswith(f"{scheme}://"):
+        return f"uri {value!r} has unsupported scheme {value.split(':', 1)[0]!r}; {valid}"
+    if scheme == "s3":
+        bucket, _, key = value[len("s3://"):].partition("/")
+        if not S3_BUCKET.match(bucket) or ".." in bucket or not key or key.endswith("/"):
+            return (f"uri {value!r} is not s3://BUCKET/KEY (a bucket name of 3-63 lowercase letters, digits, "
+                    "'.' and '-', then the key of one object)")
+        return None
+    try:
+        host, _ = parsed.hostname, parsed.port  # a port that is not a number raises
+    except ValueError:
+        host = None
+    if not host:
+        return f"uri {value!r} names no host (or a bad port); valid: https://HOST[:PORT]/PATH"
+    if parsed.username is not None or parsed.password is not None:
+        return (f"uri {value!r} carries a user or password, which would show in the ConfigMap, the status "
+                "and the logs; valid: https://HOST/PATH (S3 credentials come from a Secret: spec.modelSource)")
+    if scheme == "http" and not is_loopback_host(host):
+        return (f"uri {value!r} is plain http to {host!r}; valid: https://, or http:// to a loopback address "
+                "(127.0.0.1, ::1, localhost: a test server or a sidecar in the pod)")
+    return None
 
 
 class ConfigError(ValueError):
@@ -62,16 +121,56 @@ class BatchingSpec(_Strict):
     )
 
 
+class EngineSpec(_Strict):
+    """How MNN runs one version: the settings of its runtime manager and where its compile cache
+    lives. The defaults are what every version ran with before there were settings: CPU, one
+    thread. The camelCase spelling (``cacheDir``, as in the ModelDeployment spec) is accepted too.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    backend: Literal["CPU", "OpenCL", "Vulkan", "CUDA", "Metal", "Auto"] = Field(
+        default="CPU", description="MNN backend; one the node lacks falls back to CPU (the version still serves).",
+    )
+    precision: Literal["normal", "high", "low", "lowBF16"] = Field(
+        default="normal", description="MNN precision mode (low: fp16 where the hardware has it).",
+    )
+    memory: Literal["normal", "high", "low"] = Field(
+        default="normal", description="MNN memory mode (low: quantized weights stay int8, slower).",
+    )
+    power: Literal["normal", "high", "low"] = Field(default="normal", description="MNN power mode.")
+    threads: int = Field(
+        default=1, ge=1, le=32, description="CPU threads of one forward (MNN caps them at 32).",
+    )
+    cache_dir: str | None = Field(
+        default=None, alias="cacheDir",
+        description="Directory of the compile cache (GPU kernels and tuning): "
+        "<cacheDir>/<version>-<sha256 prefix>-<backend>.cache, read before load, written after warm-up.",
+    )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir_is_absolute(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or value.rstrip("/") == "" or ".." in value.split("/")):
+            raise ValueError(f"cacheDir {value!r} is not an absolute directory; valid: e.g. /var/cache/mnn "
+                             "(not /, no '..')")
+        return value
+
+
 class VersionSpec(_Strict):
     """One model version: a name and where its ``.mnn`` file is."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     name: str = Field(description="Version name, a DNS-1123 label such as v1 or v2-int8.")
-    uri: str = Field(description="A path or file:// URI of the .mnn file (relative to the config file).")
+    uri: str = Field(description="A path or file:// URI of the .mnn file (relative to the config file), or "
+                                 "an https:// or s3://BUCKET/KEY URI of one the runtime downloads (sha256 required).")
     sha256: str | None = Field(default=None, description="Expected sha256 of the file, lowercase hex.")
     batching: BatchingSpec | None = Field(
         default=None, description="Dynamic batching for this version; absent: every request runs alone."
+    )
+    engine: EngineSpec | None = Field(
+        default=None, description="How MNN runs this version; absent: CPU with one thread.",
     )
     warmup_shapes: dict[str, list[int]] | None = Field(
         default=None, alias="warmupShapes",
@@ -99,12 +198,10 @@ class VersionSpec(_Strict):
 
     @field_validator("uri")
     @classmethod
-    def _uri_is_local(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("uri is empty; valid: a path or a file:// URI of a .mnn file")
-        scheme = urlparse(value).scheme
-        if scheme not in ("", "file"):
-            raise ValueError(f"uri {value!r} has unsupported scheme {scheme!r}; valid: a path or file://")
+    def _uri_is_supported(cls, value: str) -> str:
+        problem = uri_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("sha256")
@@ -113,6 +210,18 @@ class VersionSpec(_Strict):
         if value is not None and not SHA256_HEX.match(value):
             raise ValueError(f"sha256 {value!r} is not 64 lowercase hex digits")
         return value
+
+    @model_validator(mode="after")
+    def _remote_file_names_its_digest(self) -> VersionSpec:
+        if self.remote and self.sha256 is None:
+            raise ValueError(f"sha256: required for the remote uri {self.uri!r} (the runtime checks the download "
+                             "against it); valid: the file's sha256, 64 lowercase hex digits")
+        return self
+
+    @property
+    def remote(self) -> bool:
+        """Whether the file comes from outside the pod (https://, s3://): the runtime downloads it."""
+        return urlparse(self.uri).scheme in REMOTE_SCHEMES
 
     def path(self, base: Path | None = None) -> Path:
         """The local file this version loads from; relative paths resolve against ``base``."""
@@ -153,6 +262,22 @@ class ServerSpec(_Strict):
         default=16 * 1024 * 1024, ge=1024, description="Largest accepted request body; larger gets 413."
     )
     max_batch: int = Field(default=1024, ge=1, description="Largest accepted size of a dynamic batch dim.")
+    idle_unload_seconds: float | None = Field(
+        default=None, ge=1,
+        description="Unload a version with weight 0 (not the stable one) after this long without a request; "
+        "it loads again on its next pinned request or before it gains weight. Absent: never.",
+    )
+
+
+class ShadowSpec(_Strict):
+    """Shadow traffic: a share of the requests stable answers is also run on another version in
+    the same process, off the request's path; users get stable's answer, the other one is compared
+    with it and dropped."""
+
+    version: str = Field(description="The version run in stable's shadow: a listed version other than stable, "
+                                     "normally at weight 0 (it serves no user).")
+    percent: int = Field(ge=1, le=100, description="Percent of stable's routed requests (not pinned ones) also run "
+                                                   "on it, 1-100, drawn at random per request.")
 
 
 class RuntimeConfig(_Strict):
@@ -169,6 +294,9 @@ class RuntimeConfig(_Strict):
     )
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     server: ServerSpec = Field(default_factory=ServerSpec)
+    shadow: ShadowSpec | None = Field(
+        default=None, description="Run a share of stable's requests on another version too, to compare; absent: none.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -182,11 +310,24 @@ class RuntimeConfig(_Strict):
         check_versions(self.versions, self.weights, {"stable": self.stable})
         if self.routing.table is not None:
             RoutingTable.published(self.salt, self.effective_weights(), self.routing.table)  # ValueError: refused
+        if self.shadow is not None:
+            names = [v.name for v in self.versions]
+            others = [n for n in names if n != self.stable_version]
+            if self.shadow.version not in names:
+                raise ValueError(f"shadow.version: {self.shadow.version!r} is not a listed version; valid: {others}")
+            if self.shadow.version == self.stable_version:
+                raise ValueError(f"shadow.version: {self.shadow.version!r} is the stable version, which it would be "
+                                 f"compared with; valid: another listed version {others}")
         return self
 
     @property
     def stable_version(self) -> str:
         return self.stable or self.versions[0].name
+
+    @property
+    def shadow_version(self) -> str | None:
+        """The version run in stable's shadow; it stays loaded (it is never unloaded while idle)."""
+        return self.shadow.version if self.shadow is not None else None
 
     @property
     def salt(self) -> str:

@@ -1,0 +1,125 @@
+"""Outcomes per version: every response has an id; feedback on it is counted for the version that
+answered (issue 14 item 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mnn_runtime.feedback import EXPIRED, UNKNOWN, FeedbackBook, new_id, parse_feedback, version_in
+from mnn_runtime.errors import BadRequest
+from tests.runtime.test_metrics import value
+from tests.runtime_server import RuntimeServer
+
+pytestmark = pytest.mark.timeout(120)
+BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
+
+
+def infer(url: str, user: str, request_id: str | None = None) -> tuple[str, str]:
+    body = dict(BODY, **({"id": request_id} if request_id else {}))
+    with httpx.Client() as c:  # a connection of its own: with workers, any worker may answer
+        r = c.post(url + "/v2/models/scorer/infer", json=body, headers={"X-User-Id": user})
+    assert r.status_code == 200, r.text
+    return r.json()["id"], r.headers["X-Model-Version"]
+
+
+def feedback(url: str, items: object, token: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client() as c:
+        return c.post(url + "/v2/models/scorer/feedback", json=items, headers=headers)
+
+
+def counted(url: str, version: str) -> tuple[float, float, float]:
+    text = httpx.get(url + "/metrics").text
+    return tuple(value(text, name, model="scorer", version=version)  # type: ignore[return-value]
+                 for name in ("mnn_feedback_total", "mnn_feedback_value_sum", "mnn_feedback_value_squared_sum"))
+
+
+def test_made_ids_name_their_version_and_others_do_not() -> None:
+    made = new_id("v2-int8")
+    assert version_in(made) == "v2-int8" and version_in(new_id("v1")) == "v1"
+    for other in ("order-17", "abc.v1", "0123456789abcdeg.v1", "0123456789abcdef.", "v1"):
+        assert version_in(other) is None, other
+
+
+def test_the_book_forgets_the_oldest_and_the_expired() -> None:
+    now = [0.0]
+    book = FeedbackBook(max_entries=2, ttl=10, clock=lambda: now[0])
+    book.remember("a", "v1")
+    book.remember("b", "v2")
+    book.remember("c", "v2")
+    assert book.version("a") == (None, UNKNOWN)  # pushed out by the bound
+    assert book.version("b") == ("v2", None)
+    now[0] = 11
+    assert book.version("c") == (None, EXPIRED)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (b"{oops", "feedback body is not JSON"),
+    (b"[]", "feedback: 0 items"),
+    (b'{"value": 1}', "feedback.id: None is not a response id"),
+    (b'[{"id": "x", "value": -1}]', "feedback[0].value: -1 is not a finite number >= 0"),
+    (b'{"id": "x", "value": true}', "feedback.value: True is not a finite number >= 0"),
+    (b'{"id": "x", "value": "1"}', "feedback.value: '1' is not a finite number >= 0"),
+])
+def test_bad_feedback_is_refused_naming_the_field(body: bytes, message: str) -> None:
+    with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_feedback(body)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_feedback_is_counted_for_the_version_that_answered(model_dir: Path, tmp_path: Path, workers: int) -> None:
+    server = RuntimeServer(model_dir / "runtime.yaml", tmp_path / "server.log", extra_args=["--workers", str(workers)])
+    server.start()
+    try:
+        url = server.url
+        answered = [infer(url, f"user-{i}") for i in range(40)]  # runtime.yaml: v1 90%, v2 10%
+        by_version = {v: [rid for rid, ver in answered if ver == v] for v in ("v1", "v2")}
+        assert by_version["v1"] and by_version["v2"], answered
+        assert all(version_in(rid) == ver for rid, ver in answered)
+        # each item on a connection of its own: made ids count wherever they land
+        for rid, ver in answered:
+            r = feedback(url, {"id": rid, "value": 2.0 if ver == "v2" else 1.0})
+            assert r.status_code == 200 and r.json() == {"counted": 1, "unmatched": 0}, r.text
+        n1, n2 = len(by_version["v1"]), len(by_version["v2"])
+        assert counted(url, "v1") == (n1, n1 * 1.0, n1 * 1.0)
+        assert counted(url, "v2") == (n2, n2 * 2.0, n2 * 4.0)
+        # a list, with an unknown id among them: counted apart, not an error
+        r = feedback(url, [{"id": by_version["v2"][0], "value": 0.5}, {"id": "no-such-request", "value": 1}])
+        assert r.status_code == 200 and r.json() == {"counted": 1, "unmatched": 1}
+        text = httpx.get(url + "/metrics").text
+        assert value(text, "mnn_feedback_unmatched_total", model="scorer", reason="unknown") == 1
+        # bad feedback: 400 naming the field, the counts unchanged
+        r = feedback(url, {"id": by_version["v1"][0], "value": -3})
+        assert r.status_code == 400 and "feedback.value: -3" in r.json()["error"]
+        assert counted(url, "v1")[0] == n1
+    finally:
+        server.stop()
+
+
+def test_a_requests_own_id_is_echoed_and_counted_where_it_was_answered(model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    rid, version = infer(server.url, "user-3", request_id="order-17")
+    assert rid == "order-17"
+    r = feedback(server.url, {"id": "order-17", "value": 1})
+    assert r.json() == {"counted": 1, "unmatched": 0}
+    assert counted(server.url, version)[0] == 1
+
+
+def test_a_feedback_token_is_required_when_the_runtime_has_one(model_dir: Path, tmp_path: Path) -> None:
+    token_file = tmp_path / "feedback-token"
+    token_file.write_text("s3cret-feedback\n")
+    server = RuntimeServer(model_dir / "runtime.yaml", tmp_path / "server.log",
+                           extra_args=["--feedback-token-file", str(token_file)])
+    server.start()
+    try:
+        rid, _ = infer(server.url, "user-1")
+        for token in (None, "wrong"):
+            r = feedback(server.url, {"id": rid, "value": 1}, token)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), r.text
+        r = feedback(server.url, {"id": rid, "value": 1}, "s3cret-feedback")
+        assert r.status_code == 200 and r.json()["counted"] == 1
+    finally:
+        server.stop()
