@@ -19,7 +19,10 @@ issue's targets at c=32, as ratios.
 
 ``--rounds R`` (default 3) measures c=32 R times per server and keeps the round with the median
 requests/s (rounds of a few seconds differed by up to ~25%). ``--seconds`` is rounded to whole
-seconds for wrk.
+seconds for wrk. mnn-rollout rows also show the requests each worker process served (read from
+its multiprocess metric files). Then (unless ``--no-open-loop``) latency at fixed rates (25, 50
+and 75% of mnn-rollout's JSON maximum at c=32 with N workers; ``bench/openloop.py``): mnn-rollout
+REST and gRPC with N workers, MLServer (parallel_workers=0, its best) REST at the same rates.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from loadgen import H2LOAD, Measured, grpc_requests, run_grpc, run_h2load, run_wrk  # noqa: E402
+from openloop import HEADER as OPEN_HEADER, OpenLoop, format_row, grpc_open_loop, http_open_loop  # noqa: E402
 from peers import cpu_by_process, machine_busy_seconds, requests_total, start_fastapi, start_mlserver, stop  # noqa: E402
 from runtime_overhead import raw_loop  # noqa: E402
 
@@ -66,6 +70,7 @@ class Row:
     server_cpu: float  # server CPU seconds per second of the run (its whole process tree)
     other_cpu: float = float("nan")  # the rest of the machine's busy CPU meanwhile (other processes)
     busiest_cpu: float = float("nan")  # of the server's processes, the busiest one's cores
+    per_worker: tuple[int, ...] = ()  # mnn-rollout: successes each worker process served, most first
 
     @property
     def config(self) -> str:
@@ -105,37 +110,75 @@ def own_cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def sweep(pid: int, load: Callable[[int], Measured], rounds: int) -> list[tuple[Measured, float, float, float]]:
+def worker_successes(metrics_root: Path | None) -> dict[int, float]:
+    """Successful inferences per worker pid so far, from the multiprocess metric files that
+    ``serve --workers`` writes under ``metrics_root`` (its TMPDIR)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    out: dict[int, float] = {}
+    for path in (metrics_root.glob("mnn-rollout-metrics-*/counter_*.db") if metrics_root else ()):
+        pid = int(path.stem.rsplit("_", 1)[1])
+        for key, value, *_ in MmapedDict.read_all_values_from_file(str(path)):
+            _, sample, labels, *_ = json.loads(key)
+            if sample == "mnn_inference_requests_total" and labels.get("outcome") == "success":
+                out[pid] = out.get(pid, 0.0) + value
+    return out
+
+
+def sweep(pid: int, load: Callable[[int], Measured], rounds: int, metrics_root: Path | None = None,
+          ) -> list[tuple[Measured, float, float, float, tuple[int, ...]]]:
     """Each concurrency once, except c=32 (where the targets are judged): ``rounds`` times, keeping
     the round with the median req/s. Returns per concurrency (result, server cores, cores used by
-    other processes, the busiest server process's cores)."""
+    other processes, the busiest server process's cores, successes per worker)."""
     load(8)  # warm-up (connections, lazy imports, packed weights), not counted
     out = []
     for c in CONCURRENCY:
         runs = []
         for _ in range(rounds if c == max(CONCURRENCY) else 1):
+            served0 = worker_successes(metrics_root)
             t0, procs0, busy0, own0 = time.perf_counter(), cpu_by_process(pid), machine_busy_seconds(), own_cpu()
             res = load(c)
             wall, procs = time.perf_counter() - t0, cpu_by_process(pid)
+            served = worker_successes(metrics_root)
+            shares = tuple(sorted((int(n - served0.get(p, 0.0)) for p, n in served.items()
+                                   if n > served0.get(p, 0.0)), reverse=True))
             used = {p: procs[p] - procs0.get(p, 0.0) for p in procs}
             server = sum(used.values())
             # own: this process and the generator (its start-up included)
             other = (machine_busy_seconds() - busy0 - server - (own_cpu() - own0)) / wall
-            runs.append((res, server / res.seconds, other, max(used.values(), default=0.0) / res.seconds))
+            runs.append((res, server / res.seconds, other, max(used.values(), default=0.0) / res.seconds, shares))
             flag = f"  ERRORS: {res.detail}" if not res.ok else ""
             busy_note = f"  (other processes used {other:.2f} cores)" if other > OTHER_LOAD else ""
-            print(f"    c={c:<3} {res.rps:>9.0f} req/s  p99 {res.p99:7.2f} ms{flag}{busy_note}", flush=True)
+            per_worker = f"  per worker {'/'.join(map(str, shares))}" if len(shares) > 1 else ""
+            print(f"    c={c:<3} {res.rps:>9.0f} req/s  p99 {res.p99:7.2f} ms  "
+                  f"{server / res.requests * 1e6 if res.requests else 0:6.1f} µs CPU/req{per_worker}{flag}{busy_note}",
+                  flush=True)
         runs.sort(key=lambda r: r[0].rps)
         out.append(runs[len(runs) // 2])
     return out
 
 
-def bench_ours(root: Path, workers: int, args: argparse.Namespace, rows: list[Row]) -> None:
-    grpc_port = free_port()
+def start_ours(root: Path, workers: int, grpc_port: int) -> tuple[LocalRuntime, Path]:
+    """``serve --workers N --grpc-port P``, with a TMPDIR of its own (where its metric files go)."""
+    metrics_root = Path(tempfile.mkdtemp(prefix=f"ours-{workers}-", dir=root))
     srv = LocalRuntime(root / "runtime.yaml", root / f"ours-{workers}.log",
                        extra_args=["--workers", str(workers), "--grpc-port", str(grpc_port)], stop_timeout=40,
                        log_in_errors=True)
-    srv.start()
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(metrics_root)  # read by the child at its start only
+    try:
+        srv.start()
+    finally:
+        if saved is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved
+    return srv, metrics_root
+
+
+def bench_ours(root: Path, workers: int, args: argparse.Namespace, rows: list[Row]) -> None:
+    grpc_port = free_port()
+    srv, metrics_root = start_ours(root, workers, grpc_port)
     try:
         assert srv.proc is not None
         if workers > 1:
@@ -152,8 +195,8 @@ def bench_ours(root: Path, workers: int, args: argparse.Namespace, rows: list[Ro
             loads["gRPC/h2load"] = lambda c: checked_h2load(srv.url, f"127.0.0.1:{grpc_port}", gb[0], c, args.seconds)
         for protocol, load in loads.items():
             print(f"  {Row('mnn-rollout', protocol, str(workers), Measured('', 0, 0, 0, 0, 0, 0), 0).name}", flush=True)
-            for res, cpu, other, busiest in sweep(srv.proc.pid, load, args.rounds):
-                rows.append(Row("mnn-rollout", protocol, str(workers), res, cpu, other, busiest))
+            for res, cpu, other, busiest, shares in sweep(srv.proc.pid, load, args.rounds, metrics_root):
+                rows.append(Row("mnn-rollout", protocol, str(workers), res, cpu, other, busiest, shares))
         if not srv.alive():
             raise RuntimeError(f"mnn-rollout serve exited during the run:\n{srv.log()}")
     finally:
@@ -178,8 +221,8 @@ def bench_peer(name: str, label: str, start: Callable[[], tuple[subprocess.Popen
     proc, url = start()
     try:
         jb = json_bodies()
-        for res, cpu, other, busiest in sweep(proc.pid, lambda c: run_wrk(url + INFER, jb, c, args.seconds, keys=KEYS),
-                                              args.rounds):
+        for res, cpu, other, busiest, _ in sweep(proc.pid, lambda c: run_wrk(url + INFER, jb, c, args.seconds,
+                                                                             keys=KEYS), args.rounds):
             rows.append(Row(name, "JSON", label, res, cpu, other, busiest))
         if proc.poll() is not None:
             raise RuntimeError(f"{name} ({label}) exited during the run with {proc.returncode}")
@@ -210,11 +253,14 @@ def report(rows: list[Row], n: int, failures: list[str]) -> None:
         return f"{v:8.2f}" if v == v else f"{'':>8}"
 
     print(f"\n{'server':<42} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'srv CPU':>8} {'busiest':>8} "
-          f"{'gen CPU':>8} {'other':>8}  errors")
+          f"{'gen CPU':>8} {'other':>8} {'µs/req':>7}  errors; per worker")
     for r in rows:
         errors = "-" if r.res.ok else f"FLAGGED {r.res.errors} ({r.res.detail})"
+        shares = f"; {'/'.join(map(str, r.per_worker))}" if len(r.per_worker) > 1 else ""
+        cost = r.server_cpu / r.res.rps * 1e6 if r.res.rps and r.protocol != "in process" else float("nan")
         print(f"{r.name:<42} {r.res.concurrency:>4} {r.res.rps:>9.0f} {r.res.p50:>8.2f} {r.res.p99:>8.2f} "
-              f"{cores(r.server_cpu)} {cores(r.busiest_cpu)} {cores(r.res.client_cpu)} {cores(r.other_cpu)}  {errors}")
+              f"{cores(r.server_cpu)} {cores(r.busiest_cpu)} {cores(r.res.client_cpu)} {cores(r.other_cpu)} "
+              f"{cost:>7.0f}  {errors}{shares}")
     print("\n(cores used during the run: srv CPU by the server's process tree, busiest by its busiest process, "
           "gen CPU by the load generator, other by everything else; gRPC/h2load: p50 is h2load's mean, "
           "it reports no p99)")
@@ -251,6 +297,32 @@ def report(rows: list[Row], n: int, failures: list[str]) -> None:
                     note += f"; one worker did {many.busiest_cpu / many.server_cpu:.0%} of the server's work"
                 print(f"  mnn-rollout {protocol}, {n} workers / 1 worker: {ratio:.2f}x "
                       f"(target >= 1.7x: {verdict(ratio, 1.7, one, many)}){note}")
+    for w in sorted({"1", str(n)}, key=int):
+        rest, grpc_ = find(rows, "mnn-rollout", "JSON", w), find(rows, "mnn-rollout", "gRPC/h2load", w)
+        if rest and grpc_:
+            ratio = grpc_.res.rps / rest.res.rps
+            cost = (grpc_.server_cpu / grpc_.res.rps) / (rest.server_cpu / rest.res.rps)
+            print(f"  mnn-rollout gRPC (h2load) / REST JSON (wrk), {w} worker{'s' if w != '1' else ''}: {ratio:.2f}x "
+                  f"(target >= 1x: {verdict(ratio, 1.0, rest, grpc_)}); server CPU per call {cost:.2f}x REST's")
+    if n > 1:
+        ones = [find(rows, "mnn-rollout", p, "1") for p in ("JSON", "gRPC/h2load")]
+        manys = [find(rows, "mnn-rollout", p, str(n)) for p in ("JSON", "gRPC/h2load")]
+        if all(ones) and all(manys):
+            rest_gain = manys[0].res.rps / ones[0].res.rps  # type: ignore[union-attr]
+            grpc_gain = manys[1].res.rps / ones[1].res.rps  # type: ignore[union-attr]
+            print(f"  mnn-rollout gRPC gain from 1 to {n} workers {grpc_gain:.2f}x, REST's {rest_gain:.2f}x "
+                  f"(target gRPC >= REST: {verdict(grpc_gain / rest_gain, 1.0, *ones, *manys)}); "
+                  f"gRPC per worker {'/'.join(map(str, manys[1].per_worker)) or '?'}")  # type: ignore[union-attr]
+    raw = find(rows, "raw MNN forward loop", "in process", "1", 1)
+    for w in sorted({"1", str(n)}, key=int):
+        rest = find(rows, "mnn-rollout", "JSON", w)
+        if raw and rest and rest.server_cpu > 0:
+            per_core = rest.res.rps / rest.server_cpu
+            ratio = per_core / (raw.res.rps / max(raw.server_cpu, 1e-9))
+            print(f"  mnn-rollout REST JSON per server core ({w} worker{'s' if w != '1' else ''}): {per_core:.0f} req/s "
+                  f"= {ratio:.1%} of the raw forward loop's {raw.res.rps / max(raw.server_cpu, 1e-9):.0f} calls per "
+                  f"core-second (target >= 10%: {verdict(ratio, 0.10, rest)}); "
+                  f"{rest.server_cpu / rest.res.rps * 1e6:.0f} µs of server CPU per request")
     flagged = [r for r in rows if not r.res.ok]
     if flagged:
         print(f"\n{len(flagged)} row(s) had errors: " + "; ".join(f"{r.name} c={r.res.concurrency}: {r.res.detail}"
@@ -259,12 +331,64 @@ def report(rows: list[Row], n: int, failures: list[str]) -> None:
         print(f"\nFAILED, no rows: {failure}")
 
 
+def open_loop(root: Path, model: Path, n: int, rows: list[Row], seconds: float, given_max: float | None) -> None:
+    """Latency at 25, 50 and 75% of mnn-rollout's JSON maximum (c=32, N workers; or ``given_max``):
+    mnn-rollout REST and gRPC (interleaved at each rate), then MLServer (parallel_workers=0) REST."""
+    base = find(rows, "mnn-rollout", "JSON", str(n))
+    top = given_max or (base.res.rps if base is not None and base.res.ok else None)
+    if top is None:
+        print("\nopen loop: skipped (no mnn-rollout JSON row at c=32; --open-max gives one)")
+        return
+    rates = [round(top * share) for share in (0.25, 0.5, 0.75)]
+    jb, message = json_bodies(), grpc_bodies()[0]
+    results: list[tuple[str, OpenLoop]] = []
+    print(f"\nopen loop at {rates} req/s (25/50/75% of {top:.0f}), {seconds:g} s each:", flush=True)
+    grpc_port = free_port()
+    srv, _ = start_ours(root, n, grpc_port)
+    try:
+        time.sleep(1.0)
+        http_open_loop(srv.url + INFER, jb, rates[0], 1.0, KEYS)  # warm-up, not counted
+        grpc_open_loop(f"127.0.0.1:{grpc_port}", message, rates[0], 1.0, {"x-user-id": "u1"})
+        for rate in rates:
+            for name, run in ((f"mnn-rollout REST JSON, {n} workers", lambda: http_open_loop(
+                    srv.url + INFER, jb, rate, seconds, KEYS)),
+                              (f"mnn-rollout gRPC, {n} workers", lambda: grpc_open_loop(
+                                  f"127.0.0.1:{grpc_port}", message, rate, seconds, {"x-user-id": "u1"}))):
+                results.append((name, run()))
+                print("  " + format_row(name, results[-1][1]), flush=True)
+    finally:
+        srv.stop()
+    try:
+        proc, url = start_mlserver(model, 0, root / "mlserver-open.log")
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        print(f"  MLServer: FAILED to start: {exc}")
+        proc = None
+    if proc is not None:
+        try:
+            http_open_loop(url + INFER, jb, rates[0], 1.0, KEYS)
+            for rate in rates:
+                results.append(("MLServer REST JSON, parallel_workers=0", http_open_loop(url + INFER, jb, rate, seconds,
+                                                                                          KEYS)))
+                print("  " + format_row(results[-1][0], results[-1][1]), flush=True)
+        finally:
+            stop(proc)
+    print("\n" + OPEN_HEADER)
+    for name, res in sorted(results, key=lambda item: (item[0], item[1].rate)):
+        print(format_row(name, res))
+    print("(latency from each request's due time: free of coordinated omission; 'late': the generator's worst "
+          "delay; failed: errors, or no answer within 5 s of the end)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--rounds", type=int, default=3, help="rounds at c=32 (median kept)")
     parser.add_argument("--only", default="raw,ours,mlserver,fastapi", help="comma-separated subset (development)")
+    parser.add_argument("--open-seconds", type=float, default=5.0, help="seconds per open-loop rate")
+    parser.add_argument("--no-open-loop", action="store_true", help="closed loops only")
+    parser.add_argument("--open-max", type=float, default=None,
+                        help="the maximum the open-loop rates are shares of (default: this run's JSON c=32 row)")
     args = parser.parse_args()
     only = set(args.only.split(","))
     n = args.workers
@@ -299,7 +423,9 @@ def main() -> None:
                     except (RuntimeError, subprocess.SubprocessError) as exc:  # a server that died or never started
                         failures.append(f"{key}, {w} worker(s): {exc}")
                         print(f"    FAILED: {exc}", flush=True)
-    report(rows, n, failures)
+        report(rows, n, failures)
+        if not args.no_open_loop:
+            open_loop(root, model, n, rows, args.open_seconds, args.open_max)
     print(f"\nwhole run: {time.monotonic() - started:.0f} s")
 
 

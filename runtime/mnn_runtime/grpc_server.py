@@ -14,9 +14,12 @@ metrics and error texts are exactly the REST ones:
   ``x-model-version`` (also on errors, once the version is known) name the version that served;
 - REST statuses map to gRPC codes, with the REST message as the details.
 
-The server refuses messages over the config's ``server.max_body_bytes`` (RESOURCE_EXHAUSTED): gRPC
-enforces the limit in force at start, and ``ModelInfer`` re-checks against the current config, so
-a lowered limit applies at once (a raised one applies from the next start).
+The server refuses messages over the config's ``server.max_body_bytes`` (RESOURCE_EXHAUSTED, REST's
+413 text), read at every call from the message's length prefix, before the message is taken in: a
+changed limit applies at once.
+
+The transport is ``grpc_h2`` (HTTP/2 on the event loop, no grpcio server): grpc.aio cost ~300 µs
+of CPU per call before the servicer ran (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -25,19 +28,20 @@ import asyncio
 import logging
 import socket
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 import orjson
+from google.protobuf.message import DecodeError
 
 from . import binary as binary_ext
+from . import grpc_h2 as h2
 from .codec import OIP_DTYPES
 from .dataplane import PIN_HEADER, DataPlane, InferResult
 from .errors import InferenceError
+from .grpc_h2 import GrpcError, GrpcServer
 from .grpc_v2 import grpc_predict_v2_pb2 as pb
-from .grpc_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     import uvicorn
@@ -45,14 +49,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERSION_METADATA = PIN_HEADER  # "x-model-version": gRPC metadata keys are lowercase
+SERVICE = "/inference.GRPCInferenceService/"
 
-STATUS_CODES: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
+STATUS_CODES: dict[int, int] = {  # REST status -> gRPC status code
+    400: h2.INVALID_ARGUMENT,
+    404: h2.NOT_FOUND,
+    413: h2.RESOURCE_EXHAUSTED,
+    500: h2.INTERNAL,
+    503: h2.UNAVAILABLE,
 }
+Reply = tuple[bytes, tuple[tuple[str, str], ...]]
 
 # The typed field that carries each datatype's values (BYTES aside: no model takes strings).
 CONTENTS_FIELD = {
@@ -133,14 +139,12 @@ def infer_response(result: InferResult) -> pb.ModelInferResponse:
     return response
 
 
-def _metadata(context: Any) -> dict[str, str]:
-    """Request metadata as headers: lowercase keys, text values only (``-bin`` keys are bytes)."""
-    headers = {}
-    for key, value in context.invocation_metadata() or ():
-        if isinstance(value, str):
-            headers[key.lower()] = value
-    headers.pop(binary_ext.HEADER, None)  # ours to set
-    return headers
+def _metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """Request metadata (the call's own dict) as headers: text values only (``-bin`` keys carry base64)."""
+    for key in [k for k in metadata if k.endswith("-bin")]:
+        del metadata[key]
+    metadata.pop(binary_ext.HEADER, None)  # ours to set
+    return metadata
 
 
 def _error_message(body: bytes) -> str:
@@ -150,93 +154,96 @@ def _error_message(body: bytes) -> str:
         return body.decode("utf-8", "replace")
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """One method per OIP v2 RPC; each is a translation to and from the data plane."""
+def _parse(kind: Any, message: bytes) -> Any:
+    try:
+        return kind.FromString(message)
+    except DecodeError as exc:
+        raise GrpcError(h2.INTERNAL, f"request: cannot be read as {kind.DESCRIPTOR.full_name}: {exc}") from None
+
+
+def _refused(exc: InferenceError, version: str | None = None) -> GrpcError:
+    trailing = ((VERSION_METADATA, version),) if version else ()
+    return GrpcError(STATUS_CODES.get(exc.status_code, h2.INTERNAL), exc.message, trailing)
+
+
+class InferenceServicer:
+    """One method per OIP v2 RPC, each a translation to and from the data plane: (request
+    message, request metadata) -> (response message, trailing metadata), or GrpcError."""
 
     def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
 
-    async def _abort(self, context: Any, status: int, message: str, version: str | None = None) -> NoReturn:
-        trailing = ((VERSION_METADATA, version),) if version else ()
-        await context.abort(STATUS_CODES.get(status, grpc.StatusCode.INTERNAL), message, trailing_metadata=trailing)
-        raise AssertionError("unreachable: abort raises")
+    def handlers(self) -> dict[str, Callable[[bytes, dict[str, str]], Awaitable[Reply]]]:
+        return {SERVICE + name: getattr(self, name) for name in
+                ("ServerLive", "ServerReady", "ServerMetadata", "ModelReady", "ModelMetadata", "ModelInfer")}
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=self.dataplane.live())
+    async def ServerLive(self, message: bytes, metadata: dict[str, str]) -> Reply:
+        _parse(pb.ServerLiveRequest, message)
+        return pb.ServerLiveResponse(live=self.dataplane.live()).SerializeToString(), ()
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+    async def ServerReady(self, message: bytes, metadata: dict[str, str]) -> Reply:
+        _parse(pb.ServerReadyRequest, message)
+        return pb.ServerReadyResponse(ready=self.dataplane.ready()).SerializeToString(), ()
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, message: bytes, metadata: dict[str, str]) -> Reply:
+        _parse(pb.ServerMetadataRequest, message)
         meta = self.dataplane.server_metadata()
-        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"], extensions=meta["extensions"])
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
+                                         extensions=meta["extensions"]).SerializeToString(), ()
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+    async def ModelReady(self, message: bytes, metadata: dict[str, str]) -> Reply:
+        request = _parse(pb.ModelReadyRequest, message)
         try:
             ready = self.dataplane.model_ready(request.name, request.version or None)
         except InferenceError as exc:
-            await self._abort(context, exc.status_code, exc.message)
-        return pb.ModelReadyResponse(ready=ready)
+            raise _refused(exc) from None
+        return pb.ModelReadyResponse(ready=ready).SerializeToString(), ()
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, message: bytes, metadata: dict[str, str]) -> Reply:
+        request = _parse(pb.ModelMetadataRequest, message)
         try:
             meta = self.dataplane.model_metadata(request.name, request.version or None)
         except InferenceError as exc:
-            await self._abort(context, exc.status_code, exc.message)
+            raise _refused(exc) from None
 
         def tensors(specs: list[dict[str, Any]]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
             return [pb.ModelMetadataResponse.TensorMetadata(name=t["name"], datatype=t["datatype"], shape=t["shape"])
                     for t in specs]
 
         return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
-                                        inputs=tensors(meta["inputs"]), outputs=tensors(meta["outputs"]))
+                                        inputs=tensors(meta["inputs"]),
+                                        outputs=tensors(meta["outputs"])).SerializeToString(), ()
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
-        size = request.ByteSize()
-        if size > limit:  # gRPC enforces the limit of the start; this one follows the config
-            await self._abort(context, 413, f"body of {size} bytes is over the limit of {limit} bytes")
-        headers = _metadata(context)
+    async def ModelInfer(self, message: bytes, metadata: dict[str, str]) -> Reply:
+        request = _parse(pb.ModelInferRequest, message)
+        headers = _metadata(metadata)
         body, json_length = request_body(request)
         if json_length is not None:
             headers[binary_ext.HEADER] = str(json_length)
         result = await self.dataplane.infer(request.model_name, request.model_version or None, body, headers)
         if result.status != 200:
-            await self._abort(context, result.status, _error_message(result.body), result.version)
-        if result.version:
-            # trailing: sent with the status at no cost; initial metadata would be a send of its
-            # own (~130 µs a request)
-            context.set_trailing_metadata(((VERSION_METADATA, result.version),))
-        return infer_response(result)
+            trailing = ((VERSION_METADATA, result.version),) if result.version else ()
+            raise GrpcError(STATUS_CODES.get(result.status, h2.INTERNAL), _error_message(result.body), trailing)
+        # the version that served, in the trailers: sent with the status at no cost
+        return infer_response(result).SerializeToString(), ((VERSION_METADATA, result.version),) if result.version else ()
 
 
-def _options(max_bytes: int, reuse_port: bool) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", max_bytes),
-        ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", int(reuse_port)),
-    ]
-
-
-async def start_grpc(dataplane: DataPlane, host: str, port: int, reuse_port: bool = False) -> grpc.aio.Server:
+async def start_grpc(dataplane: DataPlane, host: str, port: int, reuse_port: bool = False) -> GrpcServer:
     """Start serving OIP v2 gRPC on ``host:port`` in the running event loop. Port 0 picks a free
     port: read it from ``server.bound_port``. A port in use is an OSError, unless ``reuse_port``
     (``serve --workers``: every worker binds the port and the kernel spreads connections)."""
-    limit = dataplane.registry.snapshot.config.server.max_body_bytes
-    server = grpc.aio.server(options=_options(limit, reuse_port))
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    server = GrpcServer(InferenceServicer(dataplane).handlers(),
+                        lambda: dataplane.registry.snapshot.config.server.max_body_bytes)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
+        bound = await server.bind(host, port, reuse_port)
+    except OSError as exc:
         raise OSError(f"gRPC: cannot bind {address}: {exc}") from None
-    await server.start()
-    server.bound_port = bound
-    log.info("serving OIP v2 gRPC on %s:%s (max message %d bytes)", host, bound, limit)
+    log.info("serving OIP v2 gRPC on %s:%s", host, bound)
     return server
 
 
-async def stop_grpc(server: grpc.aio.Server, grace: float | None = 10.0) -> None:
+async def stop_grpc(server: GrpcServer, grace: float | None = 10.0) -> None:
     """Stop taking new RPCs and let running ones finish for up to ``grace`` seconds."""
     await server.stop(grace)
 
@@ -249,7 +256,7 @@ async def serve_with_uvicorn(
     sockets: list[socket.socket] | None = None,
     reuse_port: bool = False,
     grace: float = 10.0,
-    started: Callable[[grpc.aio.Server], None] | None = None,
+    started: Callable[[GrpcServer], None] | None = None,
 ) -> None:
     """Serve gRPC beside ``server`` (uvicorn) on the running loop until uvicorn exits. Shutdown
     (SIGTERM) drains both at once: gRPC stops taking RPCs and finishes running ones for up to
