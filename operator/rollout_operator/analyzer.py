@@ -1,23 +1,39 @@
-"""Run an analysis when one is due: pick the provider, sample canary and stable, evaluate."""
+"""Run an analysis when one is due: pick the provider, sample canary and stable (or the versions
+of an experiment), evaluate."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from . import experiment
 from .verdicts import Analysis, Sample, evaluate
 from .observe import Observation
 from .providers.base import SampleContext
 from .providers.factory import ProviderFactory
 from .spec import ModelDeploymentSpec
-from .status import RolloutStatus, epoch
+from .status import Phase, RolloutStatus, epoch
 
 log = logging.getLogger(__name__)
 
 
+def analysing(spec: ModelDeploymentSpec, status: RolloutStatus) -> bool:
+    """Whether anything is being analysed: a canary at a step with weight or a shadow, or an
+    experiment whose split is served."""
+    if status.phase != Phase.PROGRESSING:
+        return False
+    if spec.experiment is not None:
+        return experiment.running(status) and status.step_started_at is not None
+    return bool(spec.canary) and status.canary_version == spec.canary and (
+        status.canary_weight > 0 or bool(status.shadow_percent))
+
+
 def next_due(spec: ModelDeploymentSpec, status: RolloutStatus) -> float | None:
-    """When the next check is due (epoch seconds); None when no rollout is being analysed."""
-    if not spec.canary or status.canary_version != spec.canary:
+    """When the next check is due (epoch seconds); None when no rollout or experiment is in flight."""
+    if spec.experiment is not None:
+        if not experiment.running(status):
+            return None
+    elif not spec.canary or status.canary_version != spec.canary:
         return None
     last = epoch(status.analysis.get("checkedAt")) if status.analysis else None
     return (last or 0.0) + spec.strategy.analysis.interval_seconds
@@ -34,18 +50,27 @@ class Analyzer:
             return None
         meta = body["metadata"]
         stable, canary = status.stable_version or "", status.canary_version or ""
+        analysis = spec.strategy.analysis
+        shadow = bool(status.shadow_percent)
+        if spec.experiment is not None:
+            versions: tuple[str, ...] = (*experiment.challengers(spec, stable), stable)
+            metrics = [m for m in analysis.metrics if m.name == spec.experiment.metric]
+        else:
+            versions, metrics = (canary, stable), analysis.metrics_for(shadow)
         ctx = SampleContext(
             # A new key per rollout (retry, a new canary): its first check takes a fresh baseline
             # instead of counting traffic from before the rollout started.
-            key=f"{meta['uid']}@{status.rollout_started_at}", namespace=meta["namespace"], name=meta["name"], model=spec.model_name(meta["name"]),
-            versions=(canary, stable), interval_seconds=spec.strategy.analysis.interval_seconds,
-            metrics=spec.strategy.analysis.metrics,
-            pod_urls=tuple(p.url for p in observation.pods if p.ip),
+            key=f"{meta['uid']}@{status.rollout_started_at}", namespace=meta["namespace"], name=meta["name"],
+            model=spec.model_name(meta["name"]), versions=versions, interval_seconds=analysis.interval_seconds,
+            metrics=metrics, pod_urls=tuple(p.url for p in observation.pods if p.ip), shadow=shadow,
+            since=status.step_started_at,
         )
         try:
-            samples = self.factory.get(spec.strategy.analysis.provider, meta["namespace"]).sample(ctx)
+            samples = self.factory.get(analysis.provider, meta["namespace"]).sample(ctx)
         except Exception as exc:  # a provider bug must hold the rollout, not crash the reconcile
             log.exception("provider failed for %s/%s", meta["namespace"], meta["name"])
-            samples = {canary: Sample(error=f"provider failed: {exc}")}
-        return evaluate(spec.strategy.analysis, samples.get(canary, Sample(error="no sample")), samples.get(stable),
-                        now)
+            samples = {v: Sample(error=f"provider failed: {exc}") for v in versions}
+        if spec.experiment is not None:
+            return experiment.evaluate(spec, status, samples, now)
+        return evaluate(analysis, samples.get(canary, Sample(error="no sample")), samples.get(stable), now,
+                        step=status.current_step or 0, shadow=shadow, sequential=status.sequential)

@@ -181,10 +181,11 @@ def stamped(obj: dict[str, Any]) -> dict[str, Any]:
 
 def runtime_config(
     spec: ModelDeploymentSpec, model: str, weights: Mapping[str, int], stable: str, versions: list[str],
-    previous: Sequence[str] | None = None,
+    previous: Sequence[str] | None = None, shadow: tuple[str, int] | None = None,
 ) -> RuntimeConfig:
     """The runtime config for the versions currently routed, with the effective weights and the
-    bucket table every pod serves: ``previous`` (the published one) evolved to those weights."""
+    bucket table every pod serves: ``previous`` (the published one) evolved to those weights;
+    ``shadow`` (version, percent): a shadow step's share of stable's requests also run on it."""
     data: dict[str, Any] = {
         "model": model,
         "versions": [spec.version(v).model_dump(exclude_none=True) for v in versions],
@@ -195,6 +196,8 @@ def runtime_config(
                    **({"idle_unload_seconds": spec.runtime.idle_unload_seconds}
                       if spec.runtime.idle_unload_seconds else {})},
     }
+    if shadow is not None:
+        data["shadow"] = {"version": shadow[0], "percent": shadow[1]}
     config = RuntimeConfig.model_validate(data)
     table = RoutingTable.build(config.salt, config.effective_weights(), config.stable_version, previous)
     data["routing"] = {**data["routing"], "table": table.encode()}

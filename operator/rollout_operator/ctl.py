@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .children import OWNER_LABEL
+from .comparisons import interval_text
 from .kube import ApiError, KubeClient
 from .reconcile import ACTION_ANNOTATION
 
@@ -82,7 +83,8 @@ def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
     lines = [f"{meta['namespace']}/{meta['name']}  phase {st.get('phase', '?')}  ready {st.get('readyText', '?')}"]
     lines.append(f"├─ stable  {st.get('stableVersion', '?')}")
     if st.get("canaryVersion"):
-        lines.append(f"├─ canary  {st['canaryVersion']}  weight {st.get('canaryWeight', 0)}%  "
+        shadow = f"  shadow {st['shadowPercent']}% of stable's requests" if st.get("shadowPercent") else ""
+        lines.append(f"├─ canary  {st['canaryVersion']}  weight {st.get('canaryWeight', 0)}%{shadow}  "
                      f"step {st.get('stepText') or '-'}")
     weights = st.get("weights") or {}
     lines.append("├─ weights " + ", ".join(f"{k}:{v}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1])))
@@ -99,6 +101,7 @@ def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
         for m in analysis.get("metrics") or []:
             value = "n/a" if m.get("value") is None else f"{m['value']:.4g}"
             lines.append(f"│  {m['verdict']:<12} {m['name']:<24} {value:>10}   {m.get('threshold', '')}")
+    lines += _comparison_lines(st)
     for c in st.get("conditions") or []:
         lines.append(f"├─ {c['type']:<13} {c['status']:<6} {c.get('reason', '')}: {c.get('message', '')}")
     if pods is not None:
@@ -111,6 +114,31 @@ def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
                          f"{'Ready' if ready else 'NotReady'}  restarts {restarts}")
     lines.append(f"└─ {st.get('message', '')}")
     return "\n".join(lines)
+
+
+def _comparison_lines(st: dict[str, Any]) -> list[str]:
+    """compare: stable metrics (estimate, always-valid interval, decision) and an experiment."""
+    def one(label: str, e: dict[str, Any]) -> str:
+        c, s = e.get("canary") or {}, e.get("stable") or {}
+        means = "" if c.get("mean") is None or s.get("mean") is None else \
+            f"  {c['mean']:.4g} (n {c.get('n', 0):,.0f}) vs stable {s['mean']:.4g} (n {s.get('n', 0):,.0f})"
+        return (f"│  {str(e.get('decision')):<12} {label:<24} {interval_text(e)} at "
+                f"{float(e.get('confidence') or 0):.4g}{means}")
+
+    lines = []
+    if st.get("sequential"):
+        lines.append("├─ compared with stable (always-valid, every look)")
+        lines += [one(name, e) for name, e in st["sequential"].items()]
+    exp = st.get("experiment") or {}
+    if exp:
+        weights = ", ".join(f"{k}:{v}" for k, v in sorted((exp.get("weights") or {}).items()))
+        lines.append(f"├─ experiment {exp.get('state', '?')} on {exp.get('metric', '?')}  {weights}"
+                     + (f"  winner {exp['winner']}" if exp.get("winner") else ""))
+        lines += [one(f"{v} vs {exp.get('control', 'stable')}", e)
+                  for v, e in sorted((exp.get("comparisons") or {}).items())]
+        if exp.get("message"):
+            lines.append(f"│  {exp['message']}")
+    return lines
 
 
 def status(kube: KubeClient, namespace: str, name: str, watch: bool, timeout: float | None,

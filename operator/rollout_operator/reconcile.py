@@ -19,7 +19,7 @@ from typing import Any
 
 from . import children
 from .verdicts import Analysis
-from .analyzer import next_due
+from .analyzer import analysing, next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
@@ -119,8 +119,9 @@ class Reconciler:
                       last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert,
                       selector=children.selector_text(target))
 
+        shadow = (new.canary_version, new.shadow_percent) if new.canary_version and new.shadow_percent else None
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
-                                         routed_versions(spec, new), self.ports.published_table(target))
+                                         routed_versions(spec, new), self.ports.published_table(target), shadow)
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         written.update(self.ports.delete_children(children.unrendered(target, spec), children.owner_uid(target)))
         first = not (body.get("status") or {}).get("observedGeneration")
@@ -166,9 +167,7 @@ class Reconciler:
 
     def _analyse(self, spec: ModelDeploymentSpec, status: RolloutStatus, body: dict[str, Any],
                  observation: Observation, now: float) -> Analysis | None:
-        if self.analyzer is None or not spec.canary or status.canary_version != spec.canary:
-            return None
-        if status.phase != Phase.PROGRESSING or status.canary_weight <= 0:
+        if self.analyzer is None or not analysing(spec, status):
             return None
         analysis = self.analyzer(spec, status, body, observation, now)
         due = next_due(spec, status)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import comparisons, experiment
 from .verdicts import Analysis
 from .spec import ModelDeploymentSpec
 from .status import Phase, RolloutStatus, epoch, with_condition
@@ -55,10 +56,12 @@ def decide(
     outcome, why = _action_gate(spec, st, canary, world)
     if outcome != APPLIED:
         world = replace(world, action=None)  # pending or ignored: the machine does not see it
-    if canary is None:
-        st = _no_canary(spec, st, world, events, now)
+    if spec.experiment is not None:
+        st = experiment.decide(spec, st, world, analysis, now, events)
+    elif canary is None:
+        st = _no_canary(spec, experiment.removed(st, events), world, events, now)
     else:
-        st = _canary(spec, st, canary, world, analysis, now, events)
+        st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events)
     st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, now, events)
     st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
@@ -79,6 +82,8 @@ def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | Non
         return NONE, ""
     if action not in ACTIONS:
         return IGNORED, f"{action!r} is not one of {', '.join(ACTIONS)}"
+    if spec.experiment is not None:
+        return IGNORED, "an experiment is running: actions apply to canaries; remove spec.experiment to end it"
     if canary is None:
         return IGNORED, f"no rollout in progress: {st.stable_version} is stable and spec.canary names no other version"
     started = st.canary_version == canary and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
@@ -139,7 +144,7 @@ def _no_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, event
     held = {k: v for k, v in desired.items() if weights.get(k) != v}
     message = f"serving {_fmt(weights)}" + (f"; holding {_fmt(held)} until loaded on every pod" if held else "")
     return replace(st, phase=phase, weights=weights, canary_version=None, canary_file=None, canary_weight=0,
-                   current_step=None, step_text="", message=message)
+                   current_step=None, step_text="", message=message, shadow_percent=None)
 
 
 def hold_unready(desired: Mapping[str, int], current: Mapping[str, int], stable: str, world: World) -> dict[str, int]:
@@ -197,12 +202,18 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         st = replace(st, step_started_at=resumed, paused_at=None, phase=Phase.PROGRESSING)
     if not world.ready(canary):
         return _wait_for_canary(spec, st, world, now, events)
-    if st.canary_weight == 0 and st.current_step is not None and _step(spec, st).weight > 0:
-        st = _set_weight(st, _step(spec, st).weight, now, restart_clock=True)
+    step = _step(spec, st)
+    if st.canary_weight == 0 and not st.shadow_percent and st.current_step is not None and step.shadow is not None:
+        st = replace(_set_weight(st, 0, now, restart_clock=True), shadow_percent=step.shadow)
+        events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text}: shadow of "
+                                                      f"{step.shadow}% of stable's requests, weight 0"))
+    elif st.canary_weight == 0 and st.current_step is not None and step.weight > 0:
+        st = _set_weight(st, step.weight, now, restart_clock=True)
         events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
                                                       f"{st.canary_weight}%"))
     st = _record(spec, st, analysis)
-    if analysis is not None and analysis.verdict == "fail" and st.failures >= spec.strategy.analysis.failure_limit:
+    if analysis is not None and analysis.verdict == "fail" and (
+            analysis.immediate or st.failures >= spec.strategy.analysis.failure_limit):
         worst = analysis.failed_metric()
         return _rollback(st, Phase.ROLLED_BACK, "AnalysisFailed", worst, now, events)
     return _advance(spec, st, analysis, world, now, events)
@@ -219,7 +230,8 @@ def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float
     retiring = (st.previous_stable,) if st.phase == Phase.PROMOTING and st.previous_stable else ()
     retired = tuple(sorted({*st.retired, *retiring} - {canary, st.stable_version}))
     st = replace(st, canary_version=canary, canary_file=file_of(spec, canary), current_step=0, failures=0,
-                 analysis={}, retired=retired, paused_at=None, abort_reason=None, rolled_back_at=None,
+                 analysis={}, sequential=None, shadow_percent=None, retired=retired, paused_at=None,
+                 abort_reason=None, rolled_back_at=None,
                  step_started_at=now, phase=Phase.PROGRESSING, rollout_started_at=now,
                  message=f"waiting for {canary} to load on every pod")
     return _set_weight(st, 0, now, restart_clock=True)
@@ -241,7 +253,8 @@ def _record(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | N
     if analysis is None:
         return st
     failures = st.failures + 1 if analysis.verdict == "fail" else (0 if analysis.verdict == "pass" else st.failures)
-    return replace(st, failures=failures, analysis=analysis.as_status(failures))
+    sequential = analysis.sequential if analysis.sequential is not None else st.sequential
+    return replace(st, failures=failures, analysis=analysis.as_status(failures), sequential=sequential)
 
 
 def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None, world: World,
@@ -254,15 +267,16 @@ def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | 
     manual = step.pause_seconds is None
     if world.action == "promote" or (not manual and waited >= (step.pause_seconds or 0) and last_pass):
         return _next_step(spec, st, now, events)
+    where = f"step {st.step_text}: shadow {st.shadow_percent}%" if st.shadow_percent else \
+        f"step {st.step_text} at {st.canary_weight}%"
     if manual:
-        return replace(st, phase=Phase.PAUSED, message=f"step {st.step_text} at {st.canary_weight}%: "
-                                                        "waiting for promote")
+        return replace(st, phase=Phase.PAUSED, message=f"{where}: waiting for promote")
     if waited > spec.progress_deadline_seconds:
         verdict = st.analysis.get("verdict", "no analysis yet")
         return _rollback(st, Phase.FAILED, "ProgressDeadlineExceeded",
                          f"step {st.step_text} held {int(waited)}s (last analysis: {verdict})", now, events)
     detail = "inconclusive: holding" if st.analysis.get("verdict") == "inconclusive" else "analysing"
-    return replace(st, phase=Phase.PROGRESSING, message=f"step {st.step_text} at {st.canary_weight}%: {detail}")
+    return replace(st, phase=Phase.PROGRESSING, message=f"{where}: {detail}")
 
 
 def _next_step(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: list[Event]) -> RolloutStatus:
@@ -270,20 +284,29 @@ def _next_step(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events:
     nxt = st.current_step + 1
     if nxt >= len(spec.strategy.steps):
         return _promote(st, now, events, f"passed all {len(spec.strategy.steps)} steps")
-    st = replace(st, current_step=nxt, failures=0, phase=Phase.PROGRESSING)
-    st = _set_weight(st, spec.strategy.steps[nxt].weight, now, restart_clock=True)
-    events.append(Event("Normal", "StepAdvanced", f"canary {st.canary_version} step {st.step_text}: "
-                                                   f"{st.canary_weight}%"))
-    return replace(st, message=f"step {st.step_text} at {st.canary_weight}%")
+    step = spec.strategy.steps[nxt]
+    st = replace(st, current_step=nxt, failures=0, phase=Phase.PROGRESSING, shadow_percent=step.shadow)
+    st = _set_weight(st, step.weight, now, restart_clock=True)
+    where = f"shadow {step.shadow}% (weight 0)" if step.shadow else f"{st.canary_weight}%"
+    events.append(Event("Normal", "StepAdvanced", f"canary {st.canary_version} step {st.step_text}: {where}"
+                                                   + _evidence(st)))
+    return replace(st, message=f"step {st.step_text} at {where}")
+
+
+def _evidence(st: RolloutStatus) -> str:
+    """The compare: stable metrics' decisions, estimates and intervals, for an Event."""
+    found = comparisons.summary(st.sequential)
+    return f" ({found})" if found else ""
 
 
 def _promote(st: RolloutStatus, now: float, events: list[Event], why: str) -> RolloutStatus:
     canary, old = st.canary_version, st.stable_version
     assert canary is not None and old is not None
-    events.append(Event("Normal", "RolloutPromoted", f"{canary} promoted to stable ({why}); {old} leaves the routing"))
+    events.append(Event("Normal", "RolloutPromoted", f"{canary} promoted to stable ({why}); {old} leaves the routing"
+                        + _evidence(st)))
     weights = {canary: 100, old: 0}
     return replace(st, phase=Phase.PROMOTING, stable_version=canary, canary_weight=100, weights=weights,
-                   promoted_at=now, previous_stable=old, current_step=None, step_text="done",
+                   promoted_at=now, previous_stable=old, current_step=None, step_text="done", shadow_percent=None,
                    message=f"{canary} is stable; {old} is retiring")
 
 
@@ -294,6 +317,7 @@ def _rollback(st: RolloutStatus, phase: Phase, reason: str, detail: str, now: fl
     assert stable is not None
     weights = {stable: 100, **{k: 0 for k in st.weights if k != stable}}
     st = replace(st, phase=phase, canary_weight=0, weights=weights, abort_reason=f"{reason}: {detail}",
+                 shadow_percent=None,
                  rolled_back_at=now, message=f"rolled back to {stable}: {detail}")
     return with_condition(st, "Progressing", "False", reason, detail, now)
 
@@ -318,9 +342,10 @@ def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: li
         return st
     if now - st.promoted_at < spec.strategy.scale_down_delay_seconds:
         return st
-    old = st.previous_stable
-    retired = tuple(sorted({*st.retired, old})) if old else st.retired
-    events.append(Event("Normal", "RolloutSucceeded", f"{st.stable_version} serves 100%; {old} unloaded"))
+    # the old stable, and the other versions of an A/B test
+    old = sorted({st.previous_stable or "", *(k for k, w in st.weights.items() if w == 0)} - {"", st.stable_version})
+    retired = tuple(sorted({*st.retired, *old}))
+    events.append(Event("Normal", "RolloutSucceeded", f"{st.stable_version} serves 100%; {', '.join(old)} unloaded"))
     weights = {st.stable_version or "": 100}
     return replace(st, phase=Phase.SUCCEEDED, retired=retired, weights=weights,
                    message=f"{st.stable_version} serves 100%")
@@ -349,6 +374,8 @@ def _readiness(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: 
 def routed_versions(spec: ModelDeploymentSpec, st: RolloutStatus) -> list[str]:
     """Versions in the runtime config: every listed version except retired ones."""
     keep = {st.stable_version, st.canary_version}
+    if experiment.running(st):
+        keep |= set((st.experiment or {}).get("weights") or {})
     return [v.name for v in spec.versions if v.name not in st.retired or v.name in keep]
 
 

@@ -14,27 +14,20 @@ import re
 from importlib import resources as package_files
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mnn_rollout.contract.config import DNS1123_LABEL, VersionSpec, check_versions, format_validation_error
 
-DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(ms|s|m|h))+$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-BUILTIN_METRICS = ("error-rate", "latency-p50", "latency-p95", "latency-p99")
+from .strategy import (BUILTIN_METRICS, DURATION, METRIC_NAME, SHADOW_METRICS, AnalysisSpec, ExperimentSpec,
+                       MetricSpec, ProviderSpec, Step, StrategySpec, parse_duration)
+from .strategy import SpecModel as _Model
+
 DEFAULT_IMAGE = "ghcr.io/mnn-rollout/mnn-rollout:0.1.0"
 MAX_REPLICAS = 1000
-METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
 class SpecError(ValueError):
     """An invalid ModelDeployment spec; the message names field and value."""
-
-
-def parse_duration(text: str) -> float:
-    """'1h30m' -> 5400.0 seconds; raises ValueError naming the text."""
-    if not isinstance(text, str) or not DURATION.match(text):
-        raise ValueError(f"{text!r} is not a duration; valid: e.g. 500ms, 30s, 5m, 1h30m")
-    return sum(float(n) * _UNIT[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
 
 
 def cpu_quantity(value: Any) -> float:
@@ -47,113 +40,6 @@ def cpu_quantity(value: Any) -> float:
     if not cpus > 0:
         raise ValueError(f"{value!r} is not a CPU quantity; valid: e.g. 2, 1.5, 500m")
     return cpus
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-
-class Step(_Model):
-    weight: int = Field(ge=0, le=100)
-    pause: str | None = None
-
-    @field_validator("pause")
-    @classmethod
-    def _pause(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_duration(value)
-        return value
-
-    @property
-    def pause_seconds(self) -> float | None:
-        return None if self.pause is None else parse_duration(self.pause)
-
-
-class ProviderSpec(_Model):
-    type: Literal["direct", "prometheus"] = "direct"
-    address: str | None = None
-    timeout: str = "5s"
-    secret_ref: dict[str, str] | None = Field(default=None, alias="secretRef")
-
-    @model_validator(mode="after")
-    def _address(self) -> ProviderSpec:
-        parse_duration(self.timeout)
-        if self.type == "prometheus" and not self.address:
-            raise ValueError("address: required when provider type is prometheus (e.g. http://prometheus:9090)")
-        return self
-
-
-class MetricSpec(_Model):
-    name: str
-    max: float | None = None
-    min: float | None = None
-    max_error_rate_increase: float | None = Field(default=None, alias="maxErrorRateIncrease", ge=0)
-    max_latency_ratio: float | None = Field(default=None, alias="maxLatencyRatio", ge=0)
-    query: str | None = None  # PromQL (prometheus provider)
-    metric: str | None = None  # a series on the runtime pods' /metrics (either provider)
-    labels: dict[str, str] = Field(default_factory=dict)  # more exact label matchers for ``metric``
-    per_request: bool = Field(default=False, alias="perRequest")
-
-    @model_validator(mode="after")
-    def _shape(self) -> MetricSpec:
-        if self.name not in BUILTIN_METRICS and not self.query and not self.metric:
-            raise ValueError(
-                f"metric {self.name!r} is not built in ({', '.join(BUILTIN_METRICS)}) and has neither query "
-                "(PromQL) nor metric (a series the runtime pods export)"
-            )
-        if self.query and self.metric:
-            raise ValueError(f"metric {self.name!r}: set either query (PromQL) or metric (a series name), not both")
-        if self.metric is not None and not METRIC_NAME.match(self.metric):
-            raise ValueError(f"metric {self.name!r}: {self.metric!r} is not a Prometheus metric name")
-        if self.name in BUILTIN_METRICS and (self.query or self.metric):
-            raise ValueError(f"metric {self.name!r} is built in: it takes no query or metric; give a custom name")
-        if self.max is None and self.min is None and self.max_error_rate_increase is None \
-                and self.max_latency_ratio is None:
-            raise ValueError(f"metric {self.name!r} needs a threshold: max, min, maxErrorRateIncrease "
-                             "or maxLatencyRatio")
-        if self.max_error_rate_increase is not None and self.name != "error-rate":
-            raise ValueError(f"maxErrorRateIncrease applies to error-rate, not {self.name!r}")
-        if self.max_latency_ratio is not None and not self.name.startswith("latency-"):
-            raise ValueError(f"maxLatencyRatio applies to latency-p50/p95/p99, not {self.name!r}")
-        return self
-
-
-class AnalysisSpec(_Model):
-    interval: str = "10s"
-    min_requests: int = Field(default=20, ge=0, alias="minRequests")
-    failure_limit: int = Field(default=2, ge=1, alias="failureLimit")
-    provider: ProviderSpec = Field(default_factory=ProviderSpec)
-    metrics: list[MetricSpec] = Field(default_factory=lambda: [MetricSpec(name="error-rate", max=0.05)])
-
-    @model_validator(mode="after")
-    def _provider_can_read_every_metric(self) -> AnalysisSpec:
-        if self.provider.type == "direct":
-            for i, m in enumerate(self.metrics):
-                if m.query:
-                    raise ValueError(
-                        f"metrics.{i}.query: {m.query!r} is PromQL, which the direct provider cannot run; set "
-                        "provider.type: prometheus, or name a series the pods export with metric (and labels)")
-        return self
-
-    @field_validator("interval")
-    @classmethod
-    def _interval(cls, value: str) -> str:
-        if parse_duration(value) < 1:
-            raise ValueError(f"interval {value!r} is below the minimum of 1s")
-        return value
-
-    @property
-    def interval_seconds(self) -> float:
-        return parse_duration(self.interval)
-
-
-class StrategySpec(_Model):
-    steps: list[Step] = Field(
-        default_factory=lambda: [Step(weight=10, pause="30s"), Step(weight=50, pause="30s")], min_length=1,
-        max_length=50,
-    )
-    analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
-    scale_down_delay_seconds: float = Field(default=30, ge=0, alias="scaleDownDelaySeconds")
 
 
 class RoutingSpec(_Model):
@@ -370,6 +256,7 @@ class ModelDeploymentSpec(_Model):
     stable: str | None = None
     weights: dict[str, int] = Field(default_factory=dict)
     canary: str | None = None
+    experiment: ExperimentSpec | None = None  # an A/B test between stable and challengers
     strategy: StrategySpec = Field(default_factory=StrategySpec)
     progress_deadline_seconds: int = Field(default=600, ge=1, alias="progressDeadlineSeconds")
     paused: bool = False
@@ -384,6 +271,8 @@ class ModelDeploymentSpec(_Model):
             raise ValueError("weights and canary: set either weights (a static split) or canary, not both")
         if self.canary is not None and self.canary == self.stable:
             raise ValueError(f"canary: {self.canary!r} is also the stable version; choose another version")
+        if self.experiment is not None:
+            self._experiment_fits(self.experiment)
         interval = self.strategy.analysis.interval_seconds
         if self.canary is not None and self.progress_deadline_seconds <= interval:
             raise ValueError(f"progressDeadlineSeconds: {self.progress_deadline_seconds} is not longer than "
@@ -391,6 +280,16 @@ class ModelDeploymentSpec(_Model):
                              "be analysed before the deadline")
         self._threads_fit_the_cpu_limit()
         return self
+
+    def _experiment_fits(self, experiment: ExperimentSpec) -> None:
+        if self.canary is not None or self.weights:
+            raise ValueError("experiment: set either experiment (an A/B test), canary (a progressive rollout) or "
+                             "weights (a static split), not two of them")
+        try:
+            check_versions(self.versions, experiment.weights, {})
+        except ValueError as exc:
+            raise ValueError(f"experiment.{exc}") from None
+        experiment.check(self.stable or self.versions[0].name, self.strategy.analysis)
 
     def _threads_fit_the_cpu_limit(self) -> None:
         """``runtime.workers`` x the most ``engine.threads`` of a version must fit the CPU limit
@@ -419,6 +318,11 @@ class ModelDeploymentSpec(_Model):
 
     def version(self, name: str) -> VersionSpec:
         return next(v for v in self.versions if v.name == name)
+
+
+__all__ = ("BUILTIN_METRICS", "DURATION", "METRIC_NAME", "SHADOW_METRICS", "AnalysisSpec", "ExperimentSpec",
+           "MetricSpec", "ModelDeploymentSpec", "ProviderSpec", "SpecError", "Step", "StrategySpec", "parse_duration",
+           "parse_spec")
 
 
 def parse_spec(raw: Any) -> ModelDeploymentSpec:

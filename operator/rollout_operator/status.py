@@ -59,6 +59,9 @@ _KEYS: dict[str, tuple[str, str]] = {
     "declared_stable": ("declaredStable", "plain"),
     "failures": ("failures", "plain"),
     "analysis": ("analysis", "plain"),
+    "shadow_percent": ("shadowPercent", "plain"),
+    "sequential": ("sequential", "plain"),
+    "experiment": ("experiment", "plain"),
     "abort_reason": ("abortReason", "plain"),
     "last_action": ("lastAction", "plain"),
     "action_result": ("actionResult", "plain"),
@@ -95,6 +98,10 @@ class RolloutStatus:
     declared_stable: str | None = None
     failures: int = 0
     analysis: dict[str, Any] = field(default_factory=dict)
+    shadow_percent: int | None = None  # a shadow step is running: this percent of stable's requests run on the canary
+    # compare: stable metrics of this rollout, by name: the counts per step and the last decision
+    sequential: dict[str, Any] | None = None
+    experiment: dict[str, Any] | None = None  # the A/B test: its split, state, comparisons and outcome
     abort_reason: str | None = None
     last_action: str | None = None  # the last action annotation handled (applied or ignored)
     action_result: str | None = None  # what became of it

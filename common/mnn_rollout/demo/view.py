@@ -1,8 +1,9 @@
 """The terminal view of a local rollout: redrawn in place on a TTY, plain periodic lines otherwise.
 
 Per step a progress bar, the weights, per-version request rate, error rate and p99 (client side,
-over the last few seconds), the last analysis verdict per metric with value and threshold, the
-phase and the events; and a summary at the end.
+over the last few seconds), the last analysis verdict per metric with value and threshold, each
+``compare: stable`` metric's estimate and always-valid interval, the phase and the events; and a
+summary at the end.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
+from mnn_rollout.local.outcomes import Conversions
 from mnn_rollout.local.traffic import Traffic, VersionStats
+from rollout_operator.comparisons import interval_text
 from rollout_operator.status import Phase
-from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Analysis
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult
 
 from .ports import LocalRollout, Tick
 
@@ -43,17 +46,35 @@ def _value(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
+def _interval(m: MetricResult) -> str:
+    """`` [lower, upper]`` of a compare: stable result, else nothing."""
+    if m.interval is None:
+        return ""
+    return " [" + ", ".join("n/a" if x is None else f"{x:+.4g}" for x in m.interval) + "]"
+
+
+def sequential_lines(sequential: dict[str, Any] | None) -> list[str]:
+    """Each compare: stable metric over the whole rollout so far: the means, the difference and
+    its always-valid interval, the decision."""
+    def mean(side: dict[str, Any]) -> str:
+        return "n/a" if side.get("mean") is None else f"{side['mean']:.4g} (n {side.get('n', 0):,.0f})"
+
+    return [f"  {name}: {e.get('decision')}, canary {mean(e.get('canary') or {})} vs stable "
+            f"{mean(e.get('stable') or {})}: difference {interval_text(e)} at {e.get('confidence', 0):.4g}, "
+            f"margin {e.get('margin', 0):g}" for name, e in (sequential or {}).items()]
+
+
 def analysis_lines(analysis: Analysis | None, index: int, failures: int, limit: int, t0: float) -> list[str]:
     if analysis is None:
         return ["analysis: none yet"]
     head = f"analysis #{index} at {analysis.at - t0:5.1f} s: {analysis.verdict.upper()}"
     if analysis.canary_requests is not None:
-        head += f", {analysis.canary_requests:g} canary requests"
+        head += f", {analysis.canary_requests:g} {'shadow runs' if analysis.shadow else 'canary requests'}"
     if analysis.verdict == FAIL:
         head += f" ({failures} in a row; rolled back at {limit})"
     lines = [head + (f" - {analysis.message}" if analysis.message else "")]
     for m in analysis.metrics:
-        lines.append(f"  {m.name:<22} {_value(m.value):>9}   {m.threshold:<28} {m.verdict}")
+        lines.append(f"  {m.name:<22} {_value(m.value):>9}{_interval(m)}   {m.threshold:<28} {m.verdict}")
     return lines
 
 
@@ -84,15 +105,16 @@ class View:
         lines = []
         for i, step in enumerate(r.spec.strategy.steps):
             pause, current = step.pause_seconds, st.current_step == i and not promoted
+            started = st.canary_weight > 0 or bool(st.shadow_percent)
             waited = now - (st.step_started_at or now)
             if promoted or (st.current_step is not None and i < st.current_step):
                 fraction, note = 1.0, "passed"
             elif current and st.phase in OUTCOMES:
                 waited = (st.rolled_back_at or now) - (st.step_started_at or now)
                 fraction, note = waited / (pause or waited or 1), f"{st.phase.value} after {waited:.1f} s"
-            elif current and st.canary_weight > 0 and pause is None:
+            elif current and started and pause is None:
                 fraction, note = 0.0, "waiting for a manual promote"
-            elif current and st.canary_weight > 0:
+            elif current and started:
                 fraction, note = waited / pause if pause else 1.0, f"{min(waited, pause or 0):4.1f}/{pause:g} s"
                 if waited >= (pause or 0):
                     note += ", waiting for a passing analysis"
@@ -100,7 +122,8 @@ class View:
                 fraction, note = 0.0, f"waiting for {st.canary_version} to load"
             else:
                 fraction, note = 0.0, ""
-            lines.append(f"  step {i + 1}  {step.weight:>3}%  [{_bar(fraction)}] {note}")
+            size = f"shadow {step.shadow:>3}%" if step.shadow else f"{step.weight:>3}%"
+            lines.append(f"  step {i + 1}  {size}  [{_bar(fraction)}] {note}")
         delay = r.spec.strategy.scale_down_delay_seconds
         if st.phase == Phase.SUCCEEDED:
             fraction, note = 1.0, f"{st.stable_version} serves everyone"
@@ -130,6 +153,8 @@ class View:
         analysis = r.analyses[-1] if r.analyses else None
         lines += analysis_lines(analysis, len(r.analyses), st.failures, r.spec.strategy.analysis.failure_limit,
                                 self.t0)
+        if st.sequential:
+            lines += ["", "compared with stable (every look so far, always-valid)", *sequential_lines(st.sequential)]
         lines += ["", "events"]
         lines += [f"  [{self._elapsed(at):5.1f} s] {e.reason}: {e.message}" for at, e in r.events[-8:]]
         return lines
@@ -148,7 +173,8 @@ class View:
             self.out.write(f"[{self._elapsed(at):5.1f} s] {e.type} {e.reason}: {e.message}\n")
         self._events_shown = len(r.events)
         for i, a in enumerate(r.analyses[self._analyses_shown:], start=self._analyses_shown + 1):
-            metrics = ", ".join(f"{m.name} {_value(m.value)} ({m.threshold}) {m.verdict}" for m in a.metrics)
+            metrics = ", ".join(f"{m.name} {_value(m.value)}{_interval(m)} ({m.threshold}) {m.verdict}"
+                                for m in a.metrics)
             detail = "; ".join(x for x in (metrics, a.message) if x)
             self.out.write(f"[{self._elapsed(a.at):5.1f} s] analysis #{i} {a.verdict}: {detail}\n")
         self._analyses_shown = len(r.analyses)
@@ -177,7 +203,8 @@ class View:
 
 
 def summary(rollout: LocalRollout, traffic: Traffic | None, expected: str, seconds: float,
-            served: dict[str, VersionStats] | None = None, applied: bool | None = None) -> str:
+            served: dict[str, VersionStats] | None = None, applied: bool | None = None,
+            users: Conversions | None = None) -> str:
     """The end-of-run report; ``served``: traffic just after the end (what the runtime serves now)."""
     st = rollout.status
     result = outcome(rollout)
@@ -201,8 +228,18 @@ def summary(rollout: LocalRollout, traffic: Traffic | None, expected: str, secon
         for version, s in total.items():
             lines.append(f"  {version:<16} {s.requests:>7} requests {s.errors:>6} errors ({s.error_rate:.2%}) "
                          f"p99 {_ms(s.p99)} ms")
+        canary = rollout.spec.canary or ""
+        lines.append(f"requests served by the canary {canary}: {total[canary].requests if canary in total else 0}")
         moves = sorted(traffic.moves.items())
         lines.append("users moved: " + (", ".join(f"{a}->{b} {n}" for (a, b), n in moves) if moves else "none"))
+    if users is not None:
+        drawn = ", ".join(f"{v} {users.rate(v):.1%} of {users.totals[v][0]}" for v in sorted(users.totals)
+                          if users.rate(v) is not None)
+        lines.append(f"users converted: {drawn or 'no answers'} (feedback: {users.counted} counted, "
+                     f"{users.failed} failed)")
+    if st.sequential:
+        lines.append("compared with stable:")
+        lines += sequential_lines(st.sequential)
     if served:
         n = sum(s.requests for s in served.values()) or 1
         lines.append("served after the end: " + ", ".join(f"{v} {s.requests / n:.0%}" for v, s in served.items()))

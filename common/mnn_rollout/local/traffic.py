@@ -96,6 +96,8 @@ class Traffic:
     Bounded in time (``max_seconds``) and count (``max_requests``); loopback targets only. A
     request without an answer within ``timeout`` s, or whose connection failed, counts as status
     0 and pauses its loop ``retry_pause`` s (not in the open loop, which keeps its schedule).
+    ``on_answer(version, body)`` is called with every successful answer (users who act on it:
+    ``mnn_rollout.local.outcomes``).
     """
 
     def __init__(self, url: Targets, model: str = "scorer", users: int = 2000, rate: float | None = 300.0,
@@ -104,7 +106,7 @@ class Traffic:
                  keys: Sequence[str] | None = None, bodies: Sequence[bytes] | None = None,
                  headers: Mapping[str, str] | None = None, path: str | None = None, open_loop: bool = False,
                  keep_alive: bool = True, timeout: float = 10.0, connect_timeout: float = 5.0,
-                 retry_pause: float = 0.2) -> None:
+                 retry_pause: float = 0.2, on_answer: Callable[[str, bytes], None] | None = None) -> None:
         if open_loop and not rate:
             raise ValueError("the open loop needs a rate")
         if isinstance(url, str):
@@ -117,6 +119,7 @@ class Traffic:
         self.path = path or url_path or f"/v2/models/{model}/infer"
         self.rate, self.connections, self.max_seconds = rate, connections, max_seconds
         self.open_loop, self.keep_alive = open_loop, keep_alive
+        self.on_answer = on_answer
         self.timeout, self.connect_timeout, self.retry_pause = timeout, connect_timeout, retry_pause
         if max_requests is None:
             max_requests = int(rate * max_seconds) + connections if rate else 1_000_000
@@ -302,7 +305,7 @@ class Traffic:
                         conn = (reader, writer, 0.0)
                     inflight[slot] = (started + timeout, conn[1])
                     conn[1].write(built[user])
-                    status, version, close = await _read_response(conn[0])
+                    status, version, close, body = await _read_response(conn[0])
                 except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
                     inflight[slot] = None
                     if conn is not None:
@@ -315,6 +318,8 @@ class Traffic:
                 inflight[slot] = None
                 done = monotonic()
                 self._record((started, done, status, version or UNROUTED, user, slot))
+                if self.on_answer is not None and 200 <= status < 300 and version:
+                    self.on_answer(version, body)
                 if close or not keep_alive:
                     conn[1].close()
                     self.reconnects += keep_alive
@@ -437,17 +442,19 @@ def _header(head: bytes, lower: bytes, needle: bytes) -> bytes | None:
     return head[start:head.find(b"\r\n", start)].strip()
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, str | None, bool]:
-    """(status, X-Model-Version or None, whether the server closes the connection) of one answer."""
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, str | None, bool, bytes]:
+    """(status, X-Model-Version or None, whether the server closes the connection, the body when it
+    has a Content-Length) of one answer."""
     head = await reader.readuntil(b"\r\n\r\n")
     status, lower = int(head[9:12]), head.lower()
     close = head.startswith(b"HTTP/1.0") or lower.find(b"\r\nconnection: close\r\n") >= 0
     version = _header(head, lower, b"\r\nx-model-version:") if lower.find(b"\r\nx-model-version:") >= 0 else None
+    body = b""
     at = lower.find(b"\r\ncontent-length:")
     if at >= 0:
         length = int(head[at + 17:head.find(b"\r\n", at + 17)])
         if length:
-            await reader.readexactly(length)
+            body = await reader.readexactly(length)
     elif (_header(lower, lower, b"\r\ntransfer-encoding:") or b"").endswith(b"chunked"):
         while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
             await reader.readexactly(size + 2)
@@ -456,4 +463,4 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, str | None,
     elif status >= 200 and status not in (204, 304):
         await reader.read()  # the body runs to the end of the connection
         close = True
-    return status, version.decode() if version is not None else None, close
+    return status, version.decode() if version is not None else None, close, body

@@ -22,8 +22,10 @@ class SampleContext:
     model: str
     versions: Sequence[str]  # canary first, then stable
     interval_seconds: float
-    metrics: Sequence[MetricSpec]
+    metrics: Sequence[MetricSpec]  # the metrics judging this step (compare: stable ones read counts per role)
     pod_urls: Sequence[str] = field(default_factory=tuple)
+    shadow: bool = False  # a shadow step: read the canary's mnn_shadow_* series (labelled with its version)
+    since: float | None = None  # when the step started (epoch s): counts since then, for providers that can
 
 
 class MetricProvider(Protocol):

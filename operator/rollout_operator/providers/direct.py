@@ -2,6 +2,8 @@
 
 Custom metrics name a series (``metric`` plus exact ``labels``), matched on ``model`` and
 ``version``: a counter's increase over the interval, or a gauge's current value, summed over pods.
+``compare: stable`` metrics get each role's counter increase (``Sample.counts``); in a shadow step,
+the shadow version's ``mnn_shadow_*`` counters and histograms give ``Sample.shadow``.
 
 Counters and histogram buckets are summed across pods; the analysis interval's values are the
 deltas since the previous scrape of the same pod. The first scrape of an object only sets the
@@ -24,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ..observe import pods_http
 from ..spec import MetricSpec
-from ..verdicts import Sample
+from ..verdicts import Sample, ShadowSample
 from .base import QUANTILES, SampleContext
 
 REQUESTS = "mnn_inference_requests_total"
@@ -37,12 +39,23 @@ Snapshot = dict[str, dict[tuple[str, str, str], float]]
 
 CUSTOM = "custom"  # series key (CUSTOM, version, metric spec name): a counter, compared across scrapes
 GAUGE = "gauge"  # series key (GAUGE, version, metric spec name): a current value, summed over pods
+ROLE = "role"  # series key (ROLE, version, "<metric spec name>/<role>"): a compare: stable counter
+# The shadow series, labelled with the shadow version: key (name, version, outcome or le or "").
+SHADOW_REQUESTS = "mnn_shadow_requests_total"
+SHADOW_BUCKETS = "mnn_shadow_duration_seconds_bucket"
+SHADOW_STABLE_BUCKETS = "mnn_shadow_stable_duration_seconds_bucket"
+SHADOW_COUNTERS = {"mnn_shadow_rows_total": "rows", "mnn_shadow_agreeing_rows_total": "agreeing",
+                   "mnn_shadow_abs_diff_sum": "diff_sum", "mnn_shadow_abs_diff_count": "diff_count"}
+SHADOW_SERIES = {SHADOW_REQUESTS, SHADOW_BUCKETS, SHADOW_STABLE_BUCKETS, *SHADOW_COUNTERS}
 
 
-def parse(text: str, model: str, custom: Sequence[MetricSpec] = ()) -> dict[tuple[str, str, str], float]:
+def parse(text: str, model: str, custom: Sequence[MetricSpec] = (),
+          shadow: bool = False) -> dict[tuple[str, str, str], float]:
     """The series the analysis needs from one pod's /metrics: requests, latency buckets, the
-    process start time, and each custom ``metric`` (its samples matching the labels summed)."""
+    process start time, each custom ``metric`` (its samples matching the labels summed), each
+    role series of a compare: stable metric, and with ``shadow`` the shadow series."""
     wanted = [m for m in custom if m.metric]
+    roles = [(f"{m.name}/{role}", series) for m in custom if m.is_compare for role, series in m.role_series().items()]
     out: dict[tuple[str, str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -54,6 +67,13 @@ def parse(text: str, model: str, custom: Sequence[MetricSpec] = ()) -> dict[tupl
                 out[(REQUESTS, s.labels["version"], s.labels["outcome"])] = s.value
             elif s.name == BUCKETS:
                 out[(BUCKETS, s.labels["version"], s.labels["le"])] = s.value
+            elif shadow and s.name in SHADOW_SERIES:
+                label = s.labels.get("outcome") or s.labels.get("le") or ""
+                out[(s.name, s.labels.get("version", ""), label)] = s.value
+            for role, series in roles:
+                if series.matches(s.name, s.labels):
+                    role_key = (ROLE, s.labels.get("version", ""), role)
+                    out[role_key] = out.get(role_key, 0.0) + s.value
             for m in wanted:
                 if s.name == m.metric and all(s.labels.get(k) == v for k, v in m.labels.items()):
                     key = (CUSTOM if is_counter(s.name) else GAUGE, s.labels.get("version", ""), m.name)
@@ -97,10 +117,11 @@ class DirectProvider:
     def is_online(self) -> bool:
         return True
 
-    def _scrape(self, urls: list[str], model: str, custom: Sequence[MetricSpec]) -> tuple[Snapshot, list[str]]:
+    def _scrape(self, urls: list[str], model: str, custom: Sequence[MetricSpec],
+                shadow: bool = False) -> tuple[Snapshot, list[str]]:
         def one(url: str) -> tuple[str, dict[tuple[str, str, str], float] | None, str | None]:
             try:
-                return url, parse(self._fetch(url), model, custom), None
+                return url, parse(self._fetch(url), model, custom, shadow), None
             except (httpx.HTTPError, ValueError) as exc:
                 return url, None, f"{url}: {exc or type(exc).__name__}"
 
@@ -117,7 +138,7 @@ class DirectProvider:
     def sample(self, ctx: SampleContext) -> dict[str, Sample]:
         if not ctx.pod_urls:
             return {v: Sample(error="no runtime pods to scrape") for v in ctx.versions}
-        current, errors = self._scrape(list(ctx.pod_urls), ctx.model, ctx.metrics)
+        current, errors = self._scrape(list(ctx.pod_urls), ctx.model, ctx.metrics, ctx.shadow)
         with self._lock:
             previous = self._previous.get(ctx.key)
             # Pods missed by this scrape keep their baseline (dropped once they leave the pod list).
@@ -146,11 +167,11 @@ class DirectProvider:
                     continue
                 old = before.get(key, 0.0)
                 delta[key] += value - old if value >= old else value  # a reset we could not see
-        return {v: self._version_sample(v, delta, ctx.metrics) for v in ctx.versions}
+        return {v: self._version_sample(v, delta, ctx.metrics, ctx.shadow) for v in ctx.versions}
 
     @staticmethod
     def _version_sample(version: str, delta: Mapping[tuple[str, str, str], float],
-                        metrics: Sequence[MetricSpec] = ()) -> Sample:
+                        metrics: Sequence[MetricSpec] = (), shadow: bool = False) -> Sample:
         outcomes = {label: value for (metric, v, label), value in delta.items() if metric == REQUESTS and v == version}
         requests = sum(outcomes.values())
         errors = outcomes.get("client_error", 0.0) + outcomes.get("server_error", 0.0)
@@ -166,8 +187,26 @@ class DirectProvider:
             if value is not None and m.per_request:
                 value = value / requests if requests else None
             custom[m.name] = value
-        return Sample(requests=requests, errors=errors, latency=latency, custom=custom)
+        counts = {m.name: {role: delta.get((ROLE, version, f"{m.name}/{role}")) for role in m.role_series()}
+                  for m in metrics if m.is_compare}
+        return Sample(requests=requests, errors=errors, latency=latency, custom=custom, counts=counts,
+                      shadow=shadow_sample(version, delta) if shadow else None)
 
     def forget(self, key: str) -> None:
         with self._lock:
             self._previous.pop(key, None)
+
+
+def shadow_sample(version: str, delta: Mapping[tuple[str, str, str], float]) -> ShadowSample:
+    """The runs of ``version`` in stable's shadow over the interval, from the counter deltas."""
+    outcomes = {label: v for (name, ver, label), v in delta.items() if name == SHADOW_REQUESTS and ver == version}
+    counters = {field: delta.get((name, version, "")) for name, field in SHADOW_COUNTERS.items()}
+
+    def buckets(series: str) -> dict[float, float]:
+        return {float(label): v for (name, ver, label), v in delta.items() if name == series and ver == version}
+
+    runs = outcomes.get("compared", 0.0) + outcomes.get("error", 0.0) if outcomes else None
+    mine, stable = buckets(SHADOW_BUCKETS), buckets(SHADOW_STABLE_BUCKETS)
+    return ShadowSample(runs=runs, errors=outcomes.get("error", 0.0) if outcomes else None, **counters,
+                        latency={q: quantile(x, mine) for q, x in QUANTILES.items()},
+                        stable_latency={q: quantile(x, stable) for q, x in QUANTILES.items()})

@@ -2,17 +2,21 @@
 
 Unreachable, erroring or empty answers give a Sample with ``error`` or ``None`` values, which the
 analysis treats as inconclusive: a rollout holds, and never promotes, on missing data.
+
+``compare: stable`` metrics read each role's ``increase()`` since the step started (the stratum's
+counts so far, ``Sample.since_step``); a shadow step reads the shadow version's ``mnn_shadow_*``
+series over the interval.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import httpx
 
 from ..spec import MetricSpec
-from ..verdicts import Sample
+from ..verdicts import Sample, ShadowSample
 from .base import QUANTILES, SampleContext
 from .direct import is_counter
 
@@ -22,6 +26,18 @@ QUERIES = {
     "errors": 'sum(increase(mnn_inference_requests_total{%s,outcome!="success"}[{interval}]))' % SELECTOR,
     "latency": "histogram_quantile({q}, sum by (le) (rate(mnn_inference_duration_seconds_bucket{%s}[{interval}])))"
                % SELECTOR,
+}
+SHADOW_QUERIES = {
+    "runs": 'sum(increase(mnn_shadow_requests_total{%s,outcome=~"compared|error"}[{interval}]))' % SELECTOR,
+    "errors": 'sum(increase(mnn_shadow_requests_total{%s,outcome="error"}[{interval}]))' % SELECTOR,
+    "rows": "sum(increase(mnn_shadow_rows_total{%s}[{interval}]))" % SELECTOR,
+    "agreeing": "sum(increase(mnn_shadow_agreeing_rows_total{%s}[{interval}]))" % SELECTOR,
+    "diff_sum": "sum(increase(mnn_shadow_abs_diff_sum{%s}[{interval}]))" % SELECTOR,
+    "diff_count": "sum(increase(mnn_shadow_abs_diff_count{%s}[{interval}]))" % SELECTOR,
+    "latency": "histogram_quantile({q}, sum by (le) (rate(mnn_shadow_duration_seconds_bucket{%s}[{interval}])))"
+               % SELECTOR,
+    "stable_latency": "histogram_quantile({q}, sum by (le) (rate(mnn_shadow_stable_duration_seconds_bucket{%s}"
+                      "[{interval}])))" % SELECTOR,
 }
 MIN_WINDOW_SECONDS = 10  # rate() needs several scrapes in its window
 
@@ -77,13 +93,55 @@ class PrometheusProvider:
                            for name, q in QUANTILES.items()}
                 custom = {m.name: self.query(_fill(custom_query(m), values), at)
                           for m in ctx.metrics if m.query or m.metric}
+                counts = self._counts(ctx, values, at)
+                # the shadow series are labelled with the shadow version: the canary (first)
+                shadow = self._shadow(ctx.metrics, values, at) if ctx.shadow and version == ctx.versions[0] else None
             except PrometheusError as exc:
                 out[version] = Sample(error=str(exc))
                 continue
             out[version] = Sample(requests=requests if requests is not None else None,
                                   errors=errors if errors is not None else (0.0 if requests else None),
-                                  latency=latency, custom=custom)
+                                  latency=latency, custom=custom, counts=counts, shadow=shadow,
+                                  since_step=bool(counts))
         return out
+
+    def _counts(self, ctx: SampleContext, values: Mapping[str, str], at: float) -> dict[str, dict[str, float | None]]:
+        """Each compare: stable metric's role counts since the step started (None while the step is
+        younger than a window ``increase()`` can measure)."""
+        span = at - ctx.since if ctx.since is not None else 0.0
+        out: dict[str, dict[str, float | None]] = {}
+        for m in ctx.metrics:
+            if not m.is_compare:
+                continue
+            if span < MIN_WINDOW_SECONDS:
+                out[m.name] = {role: None for role in m.role_series()}
+                continue
+            selector = _fill(SELECTOR, values)
+            out[m.name] = {role: self.query(f"sum(increase({series.promql(selector)}[{int(span)}s]))", at)
+                           for role, series in m.role_series().items()}
+        return out
+
+    def _shadow(self, metrics: Sequence[MetricSpec], values: Mapping[str, str], at: float) -> ShadowSample:
+        """The shadow runs of the interval; only the measures the step's metrics read."""
+        names = {m.name for m in metrics}
+        wanted = ["runs", "errors"]
+        if "shadow-agreement" in names:
+            wanted += ["rows", "agreeing"]
+        if "shadow-mean-abs-diff" in names:
+            wanted += ["diff_sum", "diff_count"]
+        got = {key: self.query(_fill(SHADOW_QUERIES[key], values), at) for key in wanted}
+        if got["runs"] is not None and got["errors"] is None:
+            got["errors"] = 0.0
+        latency: dict[str, float | None] = {}
+        stable: dict[str, float | None] = {}
+        for m in metrics:
+            if m.name.startswith("shadow-latency-"):
+                q = m.name.removeprefix("shadow-latency-")
+                at_q = {**values, "q": str(QUANTILES[q])}
+                latency[q] = self.query(_fill(SHADOW_QUERIES["latency"], at_q), at)
+                if m.max_latency_ratio is not None:
+                    stable[q] = self.query(_fill(SHADOW_QUERIES["stable_latency"], at_q), at)
+        return ShadowSample(**got, latency=latency, stable_latency=stable)
 
 
 def custom_query(metric: MetricSpec) -> str:

@@ -1,0 +1,189 @@
+"""A/B experiments: the looks (each challenger against stable, Bonferroni over the challengers) and
+the state machine (start, split once loaded, promote the winner, keep stable without one)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from rollout_operator import experiment
+from rollout_operator.analyzer import analysing, next_due
+from rollout_operator.rollout import World, decide, routed_versions
+from rollout_operator.spec import parse_spec
+from rollout_operator.status import Phase, RolloutStatus
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Sample
+
+T0 = 1_800_000_000.0
+VERSIONS = ("v1", "v2", "v3")
+ALL_READY = World(versions_ready={v: True for v in VERSIONS}, ready_pods=2, desired_pods=2)
+
+
+def spec(weights: dict[str, int] | None = None, **more: Any) -> Any:
+    return parse_spec({
+        "versions": [{"name": v, "uri": f"{v}.mnn"} for v in VERSIONS], "stable": "v1",
+        "experiment": {"weights": weights or {"v1": 34, "v2": 33, "v3": 33}, "metric": "conversion", **more},
+        "strategy": {"analysis": {"interval": "5s", "metrics": [
+            {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01}]}, "scaleDownDelaySeconds": 30},
+        "progressDeadlineSeconds": 3600,
+    })
+
+
+def rates(**conversions: tuple[int, int]) -> dict[str, Sample]:
+    """version=(successes, trials) -> a sample per version."""
+    return {v: Sample(requests=0, errors=0, counts={"conversion": {"successes": float(s), "trials": float(n)}})
+            for v, (s, n) in conversions.items()}
+
+
+def running(now: float = T0) -> RolloutStatus:
+    """Started, every version loaded, the split served from ``now``."""
+    st, _ = decide(spec(), RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}), ALL_READY,
+                   None, now)
+    return st
+
+
+def reasons(events: list[Any]) -> list[str]:
+    return [e.reason for e in events]
+
+
+def test_each_challenger_is_compared_with_stable_at_the_split_confidence() -> None:
+    st = running()
+    look = experiment.evaluate(spec(), st, rates(v1=(1000, 10000), v2=(1000, 10000), v3=(1000, 10000)), T0 + 5)
+    assert [m.name for m in look.metrics] == ["conversion v2 vs v1", "conversion v3 vs v1"]
+    assert look.comparisons is not None and set(look.comparisons) == {"v2", "v3"}
+    assert all(c.confidence == 1 - 0.05 / 2 for c in look.comparisons.values())
+    assert look.sequential is not None and look.sequential["v2"]["strata"][0]["canary"] == {"n": 10000.0,
+                                                                                            "sum": 1000.0}
+    assert look.verdict == INCONCLUSIVE  # equal: neither better nor worse, with margin 0
+    # the counts are kept: the next look adds to them
+    st = replace(st, experiment={**(st.experiment or {}), "comparisons": look.sequential})
+    again = experiment.evaluate(spec(), st, rates(v1=(10, 100), v2=(10, 100), v3=(10, 100)), T0 + 10)
+    assert again.sequential["v2"]["strata"][0]["canary"] == {"n": 10100.0, "sum": 1010.0}  # type: ignore[index]
+
+
+def test_the_winner_is_the_better_challenger_whose_interval_lies_furthest_up() -> None:
+    look = experiment.evaluate(spec(), running(), rates(v1=(1000, 10000), v2=(1300, 10000), v3=(1600, 10000)),
+                               T0 + 5)
+    assert look.comparisons is not None
+    assert {v: c.decision for v, c in look.comparisons.items()} == {"v2": "better", "v3": "better"}
+    assert look.verdict == PASS and look.message == "v3 is better than v1"
+
+
+def test_every_challenger_worse_is_a_failed_look_and_a_missing_stable_is_no_look() -> None:
+    look = experiment.evaluate(spec(), running(), rates(v1=(3000, 10000), v2=(1000, 10000), v3=(1200, 10000)),
+                               T0 + 5)
+    assert look.verdict == FAIL and look.message == "every challenger is worse than v1"
+    none = experiment.evaluate(spec(), running(), {"v2": Sample(requests=1, errors=0)}, T0 + 5)
+    assert none.verdict == INCONCLUSIVE and none.message == "no data: no sample"
+
+
+def test_an_experiment_starts_once_every_version_is_loaded_and_analyses_the_split() -> None:
+    loading = World(versions_ready={"v1": True, "v2": True, "v3": False}, ready_pods=2, desired_pods=2)
+    st, events = decide(spec(), RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}),
+                        loading, None, T0)
+    assert reasons(events) == ["ExperimentStarted"]
+    assert events[0].message == "A/B test of v2, v3 against v1 on conversion: v1:34 v2:33 v3:33"
+    assert st.phase == Phase.PROGRESSING and st.experiment and st.experiment["state"] == "Running"
+    assert st.weights == {"v1": 67, "v2": 33, "v3": 0} and st.step_started_at is None  # v3 not loaded: no weight
+    assert not analysing(spec(), st) and "waiting for v3" in st.message
+    st, events = decide(spec(), st, ALL_READY, None, T0 + 3)
+    assert events == [] and st.weights == {"v1": 34, "v2": 33, "v3": 33} and st.step_started_at == T0 + 3
+    assert analysing(spec(), st) and next_due(spec(), st) == 5.0
+    assert set(routed_versions(spec(), st)) == set(VERSIONS)
+
+
+def test_a_winner_is_promoted_and_the_others_retire_after_the_delay() -> None:
+    st = running()
+    look = experiment.evaluate(spec(), st, rates(v1=(1000, 10000), v2=(1300, 10000), v3=(1000, 10000)), T0 + 5)
+    st, events = decide(spec(), st, ALL_READY, look, T0 + 5)
+    assert reasons(events) == ["ExperimentConcluded", "RolloutPromoted"]
+    assert events[0].message.startswith("v2 won on conversion: +0.03 [") and "against v1 at 0.975" in events[0].message
+    assert st.phase == Phase.PROMOTING and st.stable_version == "v2"
+    assert st.weights == {"v2": 100, "v1": 0, "v3": 0}
+    assert st.experiment is not None and (st.experiment["state"], st.experiment["winner"]) == ("Winner", "v2")
+    assert st.experiment["comparisons"]["v2"]["decision"] == "better"  # the evidence stays in the status
+    assert not analysing(spec(), st)
+    st, events = decide(spec(), st, ALL_READY, None, T0 + 36)
+    assert st.phase == Phase.SUCCEEDED and reasons(events) == ["RolloutSucceeded"]
+    assert st.retired == ("v1", "v3") and routed_versions(spec(), st) == ["v2"]
+    st, events = decide(spec(), st, ALL_READY, None, T0 + 40)
+    assert st.phase == Phase.SUCCEEDED and events == []  # concluded: not started again while the spec names it
+
+
+def test_without_a_winner_stable_stays_at_the_deadline() -> None:
+    timed = spec(maxDuration="1m")
+    st, _ = decide(timed, RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}), ALL_READY,
+                   None, T0)
+    look = experiment.evaluate(timed, st, rates(v1=(100, 1000), v2=(101, 1000), v3=(99, 1000)), T0 + 30)
+    st, events = decide(timed, st, ALL_READY, look, T0 + 30)
+    assert events == [] and st.phase == Phase.PROGRESSING and st.weights == {"v1": 34, "v2": 33, "v3": 33}
+    assert "v2: undecided" in st.message
+    st, events = decide(timed, st, ALL_READY, None, T0 + 61)
+    assert reasons(events) == ["ExperimentConcluded"] and events[0].message.startswith(
+        "no challenger was better within 61s: v1 stays stable; v2: undecided")
+    assert st.phase == Phase.READY and st.stable_version == "v1" and st.weights == {"v1": 100, "v2": 0, "v3": 0}
+    assert st.experiment is not None and st.experiment["state"] == "NoWinner" and st.experiment["winner"] is None
+
+
+def test_every_challenger_worse_ends_the_experiment_early_keeping_stable() -> None:
+    st = running()
+    look = experiment.evaluate(spec(), st, rates(v1=(3000, 10000), v2=(1000, 10000), v3=(1200, 10000)), T0 + 5)
+    st, events = decide(spec(), st, ALL_READY, look, T0 + 5)
+    assert reasons(events) == ["ExperimentConcluded"] and st.weights == {"v1": 100, "v2": 0, "v3": 0}
+    assert st.experiment is not None and st.experiment["state"] == "NoWinner"
+
+
+def test_removing_a_running_experiment_aborts_it_and_naming_it_again_starts_afresh() -> None:
+    st = running()
+    plain = parse_spec({"versions": [{"name": v, "uri": f"{v}.mnn"} for v in VERSIONS], "stable": "v1"})
+    st, events = decide(plain, st, ALL_READY, None, T0 + 5)
+    assert reasons(events) == ["ExperimentAborted", "WeightsUpdated"] and st.weights == {"v1": 100}
+    assert st.experiment is not None and st.experiment["state"] == "Aborted"
+    st, events = decide(spec(), st, ALL_READY, None, T0 + 6)
+    assert reasons(events) == ["ExperimentStarted"] and st.experiment and st.experiment["state"] == "Running"
+
+
+def test_actions_are_ignored_during_an_experiment_saying_why() -> None:
+    st, events = decide(spec(), running(), replace(ALL_READY, action="promote", action_token="promote:1"), None,
+                        T0 + 1)
+    assert reasons(events) == ["ActionIgnored"] and "an experiment is running" in events[0].message
+
+
+def test_an_experiment_against_a_real_runtime_promotes_the_version_users_convert_more_with(model_dir: Any) -> None:
+    """The operator's own Reconciler (the demo's local ports) holds a 50/50 split on a real runtime
+    while simulated users post feedback; the sequential test finds v2 better and promotes it."""
+    from mnn_rollout.contract.config import load_config_file
+    from mnn_rollout.demo.ports import LocalRollout
+    from mnn_rollout.local.outcomes import Conversions
+    from mnn_rollout.local.process import LocalRuntime
+    from mnn_rollout.local.traffic import Traffic
+
+    raw = {"model": "scorer", "stable": "v1",
+           "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}],
+           "experiment": {"weights": {"v1": 50, "v2": 50}, "metric": "conversion", "maxDuration": "40s"},
+           "strategy": {"analysis": {"interval": "1s", "metrics": [
+               {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.1}]}, "scaleDownDelaySeconds": 1},
+           "progressDeadlineSeconds": 60}
+    rollout = LocalRollout(raw, model_dir / "ab.yaml", name="scorer", time_limit=50)
+    rollout.prepare()
+    runtime = LocalRuntime(model_dir / "ab.yaml", model_dir / "runtime.log")
+    runtime.start()
+    users = Conversions(runtime.url, "scorer", {"v1": 0.10, "v2": 0.30}).start()
+    traffic = Traffic(runtime.url, "scorer", users=500, rate=150, connections=2, max_seconds=60,
+                      on_answer=users.answered).start()
+    try:
+        final = rollout.run(runtime.url)
+        assert rollout.wait_applied()
+    finally:
+        traffic.stop()
+        users.stop()
+        assert runtime.stop() == 0
+    assert final.phase == Phase.SUCCEEDED and final.stable_version == "v2", final.message
+    assert final.experiment is not None and (final.experiment["state"], final.experiment["winner"]) == ("Winner", "v2")
+    evidence = final.experiment["comparisons"]["v2"]
+    assert evidence["decision"] == "better" and evidence["lower"] > 0 and evidence["stable"]["n"] >= 100
+    assert reasons([e for _, e in rollout.events])[:2] == ["ExperimentStarted", "ChildrenCreated"]
+    assert {"ExperimentConcluded", "RolloutPromoted", "RolloutSucceeded"} <= set(reasons([e for _, e in rollout.events]))
+    served = [st.weights for _, st in rollout.history if st.phase == Phase.PROGRESSING]
+    assert {"v1": 50, "v2": 50} in served  # the split was held while undecided
+    assert [v.name for v in load_config_file(model_dir / "ab.yaml").versions] == ["v2"]
+    assert users.counted > 0 and users.failed == 0
