@@ -150,6 +150,10 @@ def test_a_standby_that_takes_over_forgets_the_pods_deleted_while_it_stood_by(cl
     cluster.emu.kubectl("delete", "pod", gone, "--wait=false")
     wait_for(lambda: len({p.name for p in cluster.pods()} - old) == 1 and len(cluster.pods()) == 2, 90,
              "a replacement pod ready")
+    # gone from the API, not only terminating (its preStop and drain take seconds), before the
+    # standby takes over: only then did it vanish while the standby was not watching
+    wait_for(lambda: cluster.emu.request("GET", f"/api/v1/namespaces/default/pods/{gone}")[0] == 404, 60,
+             f"pod {gone} gone from the API")
     high.kill(signal.SIGKILL)
     with Traffic(cluster.pods, users=500, rate=120, connections=2):
         cluster.apply(canary(cluster, steps=[{"weight": 30, "pause": "2s"}]))
