@@ -123,3 +123,18 @@ def test_a_feedback_token_is_required_when_the_runtime_has_one(model_dir: Path, 
         assert r.status_code == 200 and r.json()["counted"] == 1
     finally:
         server.stop()
+
+
+def test_made_ids_differ_across_calls_and_forked_workers() -> None:
+    import os
+
+    ids = {new_id("v1") for _ in range(1000)}
+    assert len(ids) == 1000
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a worker forked after ids were made: its own prefix
+        os.write(write, new_id("v1").encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    assert child[:8] != new_id("v1")[:8] and version_in(child) == "v1"
