@@ -202,12 +202,7 @@ class Decoder:
                 index, pos = _integer(block, pos, 7)
                 headers.append(self._entry(index))
             elif byte & 0x40:  # literal with incremental indexing
-                index, pos = _integer(block, pos, 6)
-                if index:
-                    name = self._entry(index)[0]
-                else:
-                    name, pos = self._string(block, pos)
-                value, pos = self._string(block, pos)
+                name, value, pos = self._literal(block, pos, 6)
                 headers.append((name, value))
                 self._add(name, value)
             elif byte & 0x20:  # dynamic table size update: only before the first field
@@ -221,15 +216,21 @@ class Decoder:
                 self._evict()
                 continue
             else:  # literal without indexing (0000) or never indexed (0001)
-                index, pos = _integer(block, pos, 4)
-                if index:
-                    name = self._entry(index)[0]
-                else:
-                    name, pos = self._string(block, pos)
-                value, pos = self._string(block, pos)
+                name, value, pos = self._literal(block, pos, 4)
                 headers.append((name, value))
             first = False
         return headers
+
+    def _literal(self, block: bytes, pos: int, prefix: int) -> tuple[str, str, int]:
+        """A literal field: its name (indexed, or a string when the index is 0), its value, and
+        where the next field starts."""
+        index, pos = _integer(block, pos, prefix)
+        if index:
+            name = self._entry(index)[0]
+        else:
+            name, pos = self._string(block, pos)
+        value, pos = self._string(block, pos)
+        return name, value, pos
 
 
 def encode_integer(value: int, prefix: int, flags: int = 0) -> bytes:

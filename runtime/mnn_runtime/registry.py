@@ -8,11 +8,10 @@ version); if a changed file fails to load, the version keeps serving its previou
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,7 +119,7 @@ class Registry:
         every process has let go). ``wait=False``: unload nothing when a config is being applied."""
         if not self._apply_lock.acquire(blocking=wait):
             return []
-        with self._apply_lock_held():
+        try:
             snap = self.snapshot
             done = [n for n in names if n in snap.versions and snap.versions[n].state == READY
                     and not snap.weights.get(n) and n not in (snap.config.stable_version, snap.config.shadow_version)]
@@ -134,11 +133,6 @@ class Registry:
                 self.snapshot = dataclasses.replace(snap, versions=versions)
                 log.info("versions %s offloaded: %s", ", ".join(done), reason)
             return done
-
-    @contextlib.contextmanager
-    def _apply_lock_held(self) -> Iterator[None]:
-        try:
-            yield
         finally:
             self._apply_lock.release()
 
