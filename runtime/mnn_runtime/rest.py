@@ -72,12 +72,24 @@ def _obj(payload: dict[str, Any]) -> Response:
     return _json(200, orjson.dumps(payload))
 
 
+def declared_too_large(declared: str, limit: int) -> PayloadTooLarge | None:
+    """The 413 for a request whose Content-Length is over ``limit`` (refused before its body is read)."""
+    if declared.isdigit() and int(declared) > limit:
+        return PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
+    return None
+
+
+def body_too_large(limit: int) -> PayloadTooLarge:
+    """The 413 for a body found over ``limit`` while it is read (no Content-Length, or a wrong one)."""
+    return PayloadTooLarge(f"body is over the limit of {limit} bytes")
+
+
 async def read_body(headers: Mapping[str, str], receive: Any, limit: int) -> bytes | None:
     """The request body from ASGI ``receive``, refusing (413) anything over ``limit`` before
     reading it all; None when the client went away."""
-    declared = headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
+    refused = declared_too_large(headers.get("content-length", ""), limit)
+    if refused is not None:
+        raise refused
     chunks, size, more = [], 0, True
     while more:
         message = await receive()
@@ -86,7 +98,7 @@ async def read_body(headers: Mapping[str, str], receive: Any, limit: int) -> byt
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+            raise body_too_large(limit)
         chunks.append(chunk)
         more = message.get("more_body", False)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -27,7 +27,7 @@ from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
 from .registry import Registry, next_table, same_file
-from .fastpath import InferFastPath
+from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
 from .workers_channel import CONFIG_MESSAGE, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, send_message
 from .rest import create_app
@@ -310,7 +310,8 @@ def _uvicorn_config(runtime: Runtime, host: str, port: int, log_level: str) -> u
     # No WebSocket support: nothing here speaks it, and its import would cost every worker.
     return uvicorn.Config(runtime.app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_keep_alive=DRAIN_CONNECTIONS_SECONDS,
-                          timeout_graceful_shutdown=DRAIN_IN_FLIGHT_SECONDS, ws="none", http="httptools", loop="uvloop")
+                          timeout_graceful_shutdown=DRAIN_IN_FLIGHT_SECONDS, ws="none", loop="uvloop",
+                          http=protocol_for(runtime.app))
 
 
 def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", channel: socket.socket | None = None,
