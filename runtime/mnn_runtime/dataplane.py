@@ -40,6 +40,10 @@ class InferResult:
     body: bytes
     version: str | None
     json_length: int | None = None  # set when the body carries binary outputs after its JSON
+    # For a request handed over parsed (gRPC), instead of a body on success: the response id and
+    # each output asked for as (name, datatype, shape, little-endian bytes).
+    id: str = ""
+    tensors: list[tuple[str, str, list[int], bytes]] | None = None
 
 
 class DataPlane:
@@ -126,20 +130,28 @@ class DataPlane:
     # -- inference -----------------------------------------------------------------------------
 
     async def infer(
-        self, model: str, url_version: str | None, body: bytes, headers: Mapping[str, str]
+        self, model: str, url_version: str | None, body: bytes, headers: Mapping[str, str],
+        parsed: tuple[dict[str, Any], bytes] | None = None,
     ) -> InferResult:
-        """Route, check, run and encode one request; every outcome is counted for its version."""
+        """Route, check, run and encode one request; every outcome is counted for its version.
+        ``parsed``: the request object and its binary part, already apart (gRPC, which has no JSON
+        to parse): ``body`` is then unused and the outputs come back raw (``InferResult.tensors``)."""
         started = time.perf_counter()
         label = UNROUTED
+        flight = None
         status = 500
         try:
             snap = self._snapshot_for(model)
-            json_part, binary = binary_ext.split_body(body, headers.get(binary_ext.HEADER))
-            request, parse_error = _parse(json_part)
+            if parsed is None:
+                json_part, binary = binary_ext.split_body(body, headers.get(binary_ext.HEADER))
+                request, parse_error = _parse(json_part)
+            else:
+                (request, binary), parse_error = parsed, None
             version = self._choose(snap, url_version, headers, request)
             if version is not None:
                 label = version
-                self.metrics.in_flight.labels(self.metrics.model, label).inc()
+                flight = self.metrics.in_flight_of(label)
+                flight.inc()
             if parse_error is not None:
                 raise parse_error
             assert version is not None and request is not None
@@ -160,12 +172,16 @@ class DataPlane:
                 self.feedback_book.remember(given, version)
             else:  # every response carries an id; a made one names its version (see feedback.py)
                 request["id"] = new_id(version)
-            payload, json_length = _response(model, version, request, state, outputs, wanted)
+            if parsed is None:
+                payload, json_length = _response(model, version, request, state, outputs, wanted)
+                result = InferResult(200, payload, version, json_length)
+            else:
+                result = InferResult(200, b"", version, None, request["id"], _raw_outputs(state, outputs, wanted))
             if snap.config.shadow is not None:  # queued for its own thread; never waited for
                 self.shadow.offer(snap, version, bool(url_version or headers.get(PIN_HEADER)), state.model, arrays,
                                   outputs, forward_seconds)
             status = 200
-            return InferResult(200, payload, version, json_length)
+            return result
         except InferenceError as exc:
             status = exc.status_code
             return InferResult(status, _error_body(exc.message), None if label == UNROUTED else label)
@@ -173,8 +189,8 @@ class DataPlane:
             log.exception("inference failed unexpectedly")
             return InferResult(500, _error_body(f"internal error: {type(exc).__name__}: {exc}"), None)
         finally:
-            if label != UNROUTED:
-                self.metrics.in_flight.labels(self.metrics.model, label).dec()
+            if flight is not None:
+                flight.dec()
             self.metrics.observe(label, outcome_of(status), time.perf_counter() - started)
 
     def feedback(self, model: str, body: bytes) -> dict[str, int]:
@@ -344,7 +360,7 @@ def _response(
             continue
         tensor = encode_output(spec.name, arr)
         if every or spec.name in named:
-            data = np.ascontiguousarray(tensor.pop("data")).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+            data = _wire_bytes(tensor.pop("data"))
             tensor["parameters"] = {"binary_data_size": len(data)}
             raw.append(data)
         tensors.append(tensor)
@@ -355,6 +371,23 @@ def _response(
     if not raw:
         return head, None
     return head + b"".join(raw), len(head)
+
+
+def _wire_bytes(arr: np.ndarray) -> bytes:
+    """An output's values as raw little-endian bytes (the binary extension's and gRPC's form)."""
+    return np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _raw_outputs(state: VersionState, outputs: list[np.ndarray], wanted: list[str] | None,
+                 ) -> list[tuple[str, str, list[int], bytes]]:
+    """Each output asked for as (name, datatype, shape, raw bytes), for a caller that encodes them itself."""
+    assert state.model is not None
+    out = []
+    for spec, arr in zip(state.model.outputs, outputs):
+        if wanted is None or spec.name in wanted:
+            tensor = encode_output(spec.name, arr)
+            out.append((spec.name, tensor["datatype"], tensor["shape"], _wire_bytes(tensor["data"])))
+    return out
 
 
 def _error_body(message: str) -> bytes:

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from . import hpack
+from . import eager, hpack
 
 log = logging.getLogger(__name__)
 
@@ -497,7 +497,9 @@ class H2Connection(asyncio.Protocol):
                 self._answer_error(stream, exc.code, exc.message)
                 return
         assert stream.handler is not None
-        stream.task = self.loop.create_task(self._call(stream, stream.handler, message))
+        done, task = eager.start(self.loop, self._call(stream, stream.handler, message))
+        if not done:  # it waits (a batcher, a version loading again): cancelled if the call is reset
+            stream.task = task
 
     def _decompress(self, stream: _Stream, message: bytes) -> bytes:
         encoding = stream.metadata.get("grpc-encoding", "identity")

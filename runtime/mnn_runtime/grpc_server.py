@@ -1,10 +1,10 @@
 """Open Inference Protocol v2 over gRPC: a thin servicer that translates gRPC <-> the data plane.
 
-``ModelInfer`` rebuilds each request as the body the REST binary extension accepts (a JSON header,
-then the raw tensor bytes) and hands it to ``DataPlane.infer``, so validation, routing, pinning,
-metrics and error texts are exactly the REST ones:
+``ModelInfer`` hands each request to ``DataPlane.infer`` as the object a REST body with binary
+tensors parses to, and its raw tensor bytes as the binary part (no JSON is written or read on the
+way), so validation, routing, pinning, metrics and error texts are exactly the REST ones:
 
-- ``raw_input_contents`` (what tritonclient sends) become binary tensors of that body;
+- ``raw_input_contents`` (what tritonclient sends) become binary tensors;
 - typed ``contents`` (``fp32_contents``, ``int_contents``, ...) become the tensor's JSON ``data``
   and are checked against its datatype like REST ``data`` is;
 - the routing key is the gRPC metadata named like the routing header (``x-user-id``), else the
@@ -31,13 +31,10 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 from google.protobuf.message import DecodeError
 
-from . import binary as binary_ext
 from . import grpc_h2 as h2
-from .codec import OIP_DTYPES
 from .dataplane import PIN_HEADER, DataPlane, InferResult
 from .errors import InferenceError
 from .grpc_h2 import GrpcError, GrpcServer
@@ -95,9 +92,8 @@ def _contents_data(tensor: pb.ModelInferRequest.InferInputTensor) -> Any:
     return []
 
 
-def request_body(request: pb.ModelInferRequest) -> tuple[bytes, int | None]:
-    """The REST body (JSON, then the binary part) for a gRPC request, and the JSON part's length
-    when a binary part follows."""
+def request_object(request: pb.ModelInferRequest) -> tuple[dict[str, Any], bytes]:
+    """The request as the data plane reads a REST one (its JSON object, then the binary part)."""
     raw = request.raw_input_contents
     inputs = []
     for i, tensor in enumerate(request.inputs):
@@ -107,35 +103,22 @@ def request_body(request: pb.ModelInferRequest) -> tuple[bytes, int | None]:
         else:
             obj["data"] = _contents_data(tensor)
         inputs.append(obj)
-    params = {key: _param_value(value) for key, value in request.parameters.items()}
-    params["binary_data_output"] = True  # outputs go back as raw_output_contents
-    body: dict[str, Any] = {"inputs": inputs, "parameters": params}
+    body: dict[str, Any] = {"inputs": inputs}
+    if request.parameters:
+        body["parameters"] = {key: _param_value(value) for key, value in request.parameters.items()}
     if request.outputs:
         body["outputs"] = [{"name": out.name} for out in request.outputs]
     if request.id:
         body["id"] = request.id
-    head = orjson.dumps(body)
-    if not raw:
-        return head, None
-    return head + b"".join(raw), len(head)
+    return body, raw[0] if len(raw) == 1 else b"".join(raw)
 
 
-def infer_response(result: InferResult) -> pb.ModelInferResponse:
-    """The gRPC response for a successful data plane result (JSON head + raw outputs)."""
-    length = result.json_length if result.json_length is not None else len(result.body)
-    head = orjson.loads(result.body[:length])
-    response = pb.ModelInferResponse(model_name=head["model_name"], model_version=head["model_version"],
-                                     id=head.get("id", ""))
-    offset = length
-    for tensor in head["outputs"]:
-        response.outputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
-        if "data" in tensor:  # not asked in binary (never, as sent): encode it here
-            dtype = OIP_DTYPES[tensor["datatype"]].newbyteorder("<")
-            response.raw_output_contents.append(np.asarray(tensor["data"], dtype=dtype).tobytes())
-            continue
-        size = tensor["parameters"]["binary_data_size"]
-        response.raw_output_contents.append(result.body[offset:offset + size])
-        offset += size
+def infer_response(model: str, result: InferResult) -> pb.ModelInferResponse:
+    """The gRPC response for a successful data plane result (its raw outputs)."""
+    response = pb.ModelInferResponse(model_name=model, model_version=result.version or "", id=result.id)
+    for name, datatype, shape, data in result.tensors or ():
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        response.raw_output_contents.append(data)
     return response
 
 
@@ -143,7 +126,6 @@ def _metadata(metadata: dict[str, str]) -> dict[str, str]:
     """Request metadata (the call's own dict) as headers: text values only (``-bin`` keys carry base64)."""
     for key in [k for k in metadata if k.endswith("-bin")]:
         del metadata[key]
-    metadata.pop(binary_ext.HEADER, None)  # ours to set
     return metadata
 
 
@@ -216,16 +198,14 @@ class InferenceServicer:
 
     async def ModelInfer(self, message: bytes, metadata: dict[str, str]) -> Reply:
         request = _parse(pb.ModelInferRequest, message)
-        headers = _metadata(metadata)
-        body, json_length = request_body(request)
-        if json_length is not None:
-            headers[binary_ext.HEADER] = str(json_length)
-        result = await self.dataplane.infer(request.model_name, request.model_version or None, body, headers)
+        result = await self.dataplane.infer(request.model_name, request.model_version or None, b"",
+                                            _metadata(metadata), request_object(request))
         if result.status != 200:
             trailing = ((VERSION_METADATA, result.version),) if result.version else ()
             raise GrpcError(STATUS_CODES.get(result.status, h2.INTERNAL), _error_message(result.body), trailing)
         # the version that served, in the trailers: sent with the status at no cost
-        return infer_response(result).SerializeToString(), ((VERSION_METADATA, result.version),) if result.version else ()
+        return (infer_response(request.model_name, result).SerializeToString(),
+                ((VERSION_METADATA, result.version),) if result.version else ())
 
 
 async def start_grpc(dataplane: DataPlane, host: str, port: int, reuse_port: bool = False) -> GrpcServer:
@@ -314,5 +294,5 @@ def serve_grpc_in_thread(dataplane: DataPlane, host: str, port: int, reuse_port:
     return GrpcThread(dataplane, host, port, reuse_port)
 
 
-__all__ = ["InferenceServicer", "GrpcThread", "request_body", "infer_response", "run_with_uvicorn",
+__all__ = ["InferenceServicer", "GrpcThread", "request_object", "infer_response", "run_with_uvicorn",
            "serve_grpc_in_thread", "serve_with_uvicorn", "start_grpc", "stop_grpc", "STATUS_CODES"]

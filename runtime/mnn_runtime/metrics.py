@@ -150,6 +150,7 @@ class RuntimeMetrics:
         self.start_time.labels(model).set(time.time())
         self.shadow = ShadowMetrics(model, self.registry)  # children made for the shadow version only
         self._observed: dict[tuple[str, str], tuple[Any, Any]] = {}  # see observe
+        self._in_flight: dict[str, Any] = {}  # see in_flight_of
         self.touch(UNROUTED)
 
     def touch(self, version: str) -> None:
@@ -184,6 +185,13 @@ class RuntimeMetrics:
         self.loaded.labels(self.model, version).set(0)
         self.offloaded.labels(self.model, version).set(0)
         self.memory.labels(self.model, version).set(0)
+
+    def in_flight_of(self, version: str) -> Any:
+        """The in-flight gauge of ``version``, looked up once."""
+        child = self._in_flight.get(version)
+        if child is None:
+            child = self._in_flight[version] = self.in_flight.labels(self.model, version)
+        return child
 
     def observe(self, version: str, outcome: str, seconds: float) -> None:
         # the children of each (version, outcome), looked up once: labels() costs ~1.5 µs a call

@@ -57,11 +57,16 @@ class ModelLoadError(Exception):
         self.needs_warmup_shapes = needs_warmup_shapes
 
 
-def _mnn() -> tuple[Any, Any]:
-    import MNN.expr as F
-    import MNN.nn as nn
+_MODULES: list[tuple[Any, Any]] = []  # (MNN.nn, MNN.expr), imported once: a dotted import costs ~1 µs a request
 
-    return nn, F
+
+def _mnn() -> tuple[Any, Any]:
+    if not _MODULES:
+        import MNN.expr as F
+        import MNN.nn as nn
+
+        _MODULES.append((nn, F))
+    return _MODULES[0]
 
 
 def file_sha256(path: Path) -> str:
@@ -354,11 +359,11 @@ def _numpy_to_oip(arr: np.ndarray, path: Path) -> str:
     raise ModelLoadError(f"model {str(path)!r} has an output of unsupported dtype {arr.dtype}")
 
 
+_MNN_DTYPES: dict[np.dtype[Any], Any] = {}
+
+
 def _mnn_dtype(F: Any, dtype: np.dtype[Any]) -> Any:
-    return {
-        np.dtype(np.float32): F.float,
-        np.dtype(np.int32): F.int,
-        np.dtype(np.uint8): F.uint8,
-        np.dtype(np.float64): F.double,
-        np.dtype(np.int64): F.int64,
-    }[np.dtype(dtype)]
+    if not _MNN_DTYPES:
+        _MNN_DTYPES.update({np.dtype(np.float32): F.float, np.dtype(np.int32): F.int, np.dtype(np.uint8): F.uint8,
+                            np.dtype(np.float64): F.double, np.dtype(np.int64): F.int64})
+    return _MNN_DTYPES[np.dtype(dtype)]
