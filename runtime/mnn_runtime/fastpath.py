@@ -103,7 +103,7 @@ async def _send(send: Any, status: int, body: bytes, content_type: bytes,
 # the receive/send messages, header checks) cost ~40-45 µs of a ~170 µs request. InferProtocol is
 # uvicorn's own httptools protocol, and takes over only a plain infer request: POST to an infer
 # route, no query or percent-escape, no `Expect: 100-continue`, not pipelined behind a response
-# still being written. Its body is gathered from the parser's callbacks and the data plane is run
+# still being written, not while the client leaves its answers unread. Its body is gathered from the parser's callbacks and the data plane is run
 # right there in `data_received`: a request that completes without waiting (the usual one: the
 # forward runs on the loop) is answered in the same callback, in one write; one that waits (a
 # batcher, a version loading again) carries on in a Task (``eager``). Everything else, and every
@@ -236,12 +236,20 @@ if HttpToolsProtocol is not None:
 
         fast: InferFastPath  # set on the class made for a runtime by ``protocol_for``
 
+        def on_message_begin(self) -> None:
+            # A request read right after an answer written in this same data_received: the
+            # keep-alive timer that answer armed must not run while this one is served.
+            self._unset_keepalive_if_required()
+            super().on_message_begin()
+
         def on_headers_complete(self) -> None:
             cycle = self.cycle
             parser = self.parser
+            # Not while the client is not reading its answers (flow.write_paused): uvicorn's cycle
+            # then waits for the socket to drain, and stops reading meanwhile.
             if ((cycle is None or cycle.response_complete) and parser.get_method() == b"POST"
                     and not self.expect_100_continue and self.limit_concurrency is None
-                    and not parser.should_upgrade()):
+                    and not self.flow.write_paused and not parser.should_upgrade()):
                 target = _raw_route(self.url)
                 if target is not None:
                     keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
@@ -269,7 +277,8 @@ if HttpToolsProtocol is not None:
 
 # What InferProtocol reads or calls of uvicorn's protocol (set in __init__ or on_message_begin).
 _UVICORN_NAMES = ("cycle", "parser", "url", "headers", "scope", "expect_100_continue", "limit_concurrency",
-                  "server_state", "tasks", "loop", "transport", "on_response_complete")
+                  "server_state", "tasks", "loop", "transport", "flow", "on_response_complete",
+                  "_unset_keepalive_if_required")
 
 
 def _uvicorn_fits() -> bool:
