@@ -319,7 +319,8 @@ class Emulator(kmock.KubernetesEmulator):
                                                   manager=_field_manager(request)))
         if method == 'DELETE' and not sub:
             code, obj = self.store.delete(rd, namespace, name, self._delete_options(request), dry_run)
-            if code == 200 and not rd.custom:
+            gone = dry_run or self.store.objects.get(self.store.key(rd, namespace, name)) is None
+            if gone and not rd.custom:  # a built-in kind deleted at once: a Status (an object still held: itself)
                 obj = {'kind': 'Status', 'apiVersion': 'v1', 'metadata': {}, 'status': 'Success',
                        'details': {'name': name, 'group': rd.group, 'kind': rd.plural,
                                    'uid': obj['metadata']['uid']}}

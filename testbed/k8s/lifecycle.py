@@ -56,8 +56,11 @@ class Lifecycle(_Base):
         if dry_run:
             return 200, self.render(rd, obj)
         key = self.key(rd, namespace, name)
+        # Like the API server's delete handler: 200 even when the object stays (finalizers, a
+        # namespace terminating), 202 only then and when the client set orphanDependents=false.
+        held = 202 if options.get('orphanDependents') is False else 200
         if meta.get('deletionTimestamp'):
-            return 202, self.render(rd, obj)
+            return held, self.render(rd, obj)
         if self._blockers(rd, obj):
             old, obj = obj, copy.deepcopy(obj)
             obj['metadata']['deletionTimestamp'] = self._now()
@@ -73,7 +76,7 @@ class Lifecycle(_Base):
             if (rd.group, rd.plural) == NAMESPACES:
                 self._terminate_namespace(name)
                 obj = self.objects.get(key, obj)
-            return 202, self.render(rd, obj)
+            return held, self.render(rd, obj)
         final = self._finalize(key, policy)
         return 200, self.render(rd, final)
 
