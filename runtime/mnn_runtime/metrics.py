@@ -6,6 +6,7 @@ known, so ``rate()`` sees the very first error instead of a series appearing mid
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -238,8 +239,9 @@ class RuntimeMetrics:
                     in_flight[version] = in_flight.get(version, 0.0) + sample.value
         return {v: (answered.get(v, 0.0), in_flight.get(v, 0.0)) for v in answered.keys() | in_flight.keys()}
 
-    @property
+    @functools.cached_property
     def _processes(self) -> CollectorRegistry:
+        """Built at the first scrape (after ``serve --workers`` set the multiprocess directory)."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(ProcessTreeCollector(self.model, multi=bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))))
         return registry
