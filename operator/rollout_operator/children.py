@@ -200,8 +200,8 @@ def runtime_config(
         data["shadow"] = {"version": shadow[0], "percent": shadow[1]}
     config = RuntimeConfig.model_validate(data)
     table = RoutingTable.build(config.salt, config.effective_weights(), config.stable_version, previous)
-    data["routing"] = {**data["routing"], "table": table.encode()}
-    return RuntimeConfig.model_validate(data)
+    # the table is built from this config's own weights: no second validation of the whole config
+    return config.model_copy(update={"routing": config.routing.model_copy(update={"table": table.encode()})})
 
 
 def published_owners(configmap: Mapping[str, Any] | None) -> tuple[str, ...] | None:
