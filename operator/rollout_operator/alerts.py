@@ -1,7 +1,8 @@
-"""The Alertmanager webhook: ``POST /alerts`` rolls back the canary a firing alert names.
+"""The Alertmanager webhook: ``POST /alerts`` rolls back the canary a firing alert names (or aborts
+the A/B experiment one of whose challengers it names).
 
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
-``model`` + ``version`` (the canary being rolled out). The webhook only marks the object (the
+``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The webhook only marks the object (the
 ``mnnrollout.io/alert`` annotation, ``alertname@startsAt@canary``) while the alert fires, and
 removes the mark when Alertmanager reports it resolved; the replica that holds the peering lease
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
@@ -53,7 +54,15 @@ IN_FLIGHT = ("Progressing", "Paused")
 
 def in_flight(md: dict[str, Any]) -> bool:
     status = md.get("status") or {}
-    return bool(status.get("canaryVersion")) and status.get("phase") in IN_FLIGHT
+    return status.get("phase") in IN_FLIGHT and bool(status.get("canaryVersion") or challengers(status))
+
+
+def challengers(status: dict[str, Any]) -> list[str]:
+    """The challengers of a running experiment (none otherwise)."""
+    exp = status.get("experiment") or {}
+    if exp.get("state") != "Running":
+        return []
+    return sorted(v for v in (exp.get("weights") or {}) if v != exp.get("control"))
 
 
 def targets(kube: KubeClient, labels: dict[str, str], namespaces: list[str] | None) -> list[dict[str, Any]]:
@@ -72,8 +81,8 @@ def targets(kube: KubeClient, labels: dict[str, str], namespaces: list[str] | No
     found = []
     for md in list_modeldeployments(kube, namespaces):
         spec, status = md.get("spec") or {}, md.get("status") or {}
-        if (spec.get("model") or md["metadata"]["name"]) == model and status.get("canaryVersion") == version \
-                and in_flight(md):
+        if (spec.get("model") or md["metadata"]["name"]) == model and in_flight(md) \
+                and (status.get("canaryVersion") == version or version in challengers(status)):
             if namespace in (None, md["metadata"]["namespace"]):
                 found.append(md)
     return found
@@ -104,7 +113,10 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
             continue
         for md in targets(kube, labels, namespaces):
             meta = md["metadata"]
-            value = prefix + str((md.get("status") or {}).get("canaryVersion"))
+            status = md.get("status") or {}
+            # the canary; in an experiment the challenger the alert names, else none: any of them
+            named = labels.get("version") if labels.get("version") in challengers(status) else ""
+            value = prefix + str(status.get("canaryVersion") or named)
             if (meta.get("annotations") or {}).get(ALERT_ANNOTATION) == value:
                 continue
             kube.patch("ModelDeployment", meta["namespace"], meta["name"],

@@ -54,7 +54,8 @@ class Analyzer:
         shadow = bool(status.shadow_percent)
         if spec.experiment is not None:
             versions: tuple[str, ...] = (*experiment.challengers(spec, stable), stable)
-            metrics = [m for m in analysis.metrics if m.name == spec.experiment.metric]
+            # its metric, and the threshold metrics that guard the challengers
+            metrics = [m for m in analysis.metrics_for(False) if m.name == spec.experiment.metric or not m.is_compare]
         else:
             versions, metrics = (canary, stable), analysis.metrics_for(shadow)
         ctx = SampleContext(

@@ -6,8 +6,12 @@ the chance that any challenger that is not better is called better stays below 1
 The first look at which a challenger is ``better`` promotes the winner (``sequential.winner``: of
 those better, the one whose interval lies furthest on the good side); when every challenger is
 ``worse``, or ``maxDuration`` passes without a winner, stable stays and takes all the traffic.
+The challengers are guarded as a canary is: the analysis's threshold metrics (error rate, latency,
+custom; judged once a challenger has ``minRequests`` in the interval) failing ``failureLimit`` looks
+in a row, or an alert firing for a challenger, abort the experiment: stable takes all the traffic
+back at once (phase RolledBack), and no challenger is promoted meanwhile.
 The decision and its evidence stay in ``status.experiment`` while the spec names the experiment;
-Events ``ExperimentStarted`` and ``ExperimentConcluded`` say what happened.
+Events ``ExperimentStarted``, ``ExperimentConcluded`` and ``ExperimentAborted`` say what happened.
 
 ``decide`` is part of the pure state machine (``rollout.decide`` calls it); ``evaluate`` turns the
 provider's samples into the look the state machine records.
@@ -22,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from . import comparisons
 from .sequential import WORSE, Comparison, winner
 from .spec import ModelDeploymentSpec
-from .status import Phase, RolloutStatus, iso
-from .verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, Sample, compare_result
+from .status import Phase, RolloutStatus, iso, with_condition
+from .verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult, Sample, compare_result, guard_results
 
 if TYPE_CHECKING:
     from .rollout import Event, World
@@ -63,12 +67,39 @@ def evaluate(spec: ModelDeploymentSpec, status: RolloutStatus, samples: Mapping[
             metric, sample.counts.get(metric.name), base.counts.get(metric.name), sample.since_step, 0,
             prior.get(version), now, comparisons=len(others))
         results.append(compare_result(metric, found[version], f"{metric.name} {version} vs {stable}"))
+    guards, breached = _guards(spec, others, samples, base)
     best = winner(found, metric.direction) if found else None
     lost = len(found) == len(others) and all(c.decision == WORSE for c in found.values())
+    if breached:
+        failed = [g for g in guards if g.verdict == FAIL]
+        return Analysis(now, FAIL, (*results, *guards), None, f"{', '.join(breached)} breached a guard: " + "; ".join(
+            f"{g.name} = {g.value:.4g} breached {g.threshold}" for g in failed if g.value is not None),
+            prior or None, comparisons=found, breached=breached)
     verdict = PASS if best else FAIL if lost else INCONCLUSIVE
     message = f"{best} is better than {stable}" if best else \
         f"every challenger is worse than {stable}" if lost else "undecided"
-    return Analysis(now, verdict, tuple(results), None, message, prior or None, comparisons=found)
+    return Analysis(now, verdict, (*results, *guards), None, message, prior or None, comparisons=found,
+                    breached=breached)
+
+
+def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, Sample], base: Sample,
+            ) -> tuple[list[MetricResult], tuple[str, ...] | None]:
+    """Each challenger's threshold metrics, for those with minRequests in the interval (no verdict
+    without evidence), and the challengers that failed one (None: none could be judged)."""
+    analysis = spec.strategy.analysis
+    guards: list[MetricResult] = []
+    judged, breached = False, []
+    for version in others:
+        sample = samples.get(version)
+        if sample is None or sample.error is not None or sample.requests is None \
+                or sample.requests < analysis.min_requests:
+            continue
+        checks = guard_results(analysis, version, sample, base)
+        judged = judged or bool(checks)
+        guards.extend(checks)
+        if any(c.verdict == FAIL for c in checks):
+            breached.append(version)
+    return guards, tuple(breached) if judged else None
 
 
 def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis: Analysis | None, now: float,
@@ -99,12 +130,21 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
         waiting = sorted(v for v in exp.weights if not world.ready(v))
         return replace(st, weights=weights, message=f"experiment: waiting for {', '.join(waiting) or 'the split'} "
                                                     "to load on every pod")
+    if world.alert:
+        return _abort(st, state, f"alert {world.alert} is firing", now, events)
     if st.step_started_at is None:
         st = replace(st, weights=weights, step_started_at=now)  # the split is served: the clock starts now
     if analysis is not None:
         state["comparisons"] = analysis.sequential or state.get("comparisons") or {}
         state["checkedAt"] = iso(analysis.at)
-        st = replace(st, analysis=analysis.as_status(0), experiment=state)
+        failures = st.failures + 1 if analysis.breached else 0 if analysis.breached is not None else st.failures
+        st = replace(st, analysis=analysis.as_status(failures), experiment=state, failures=failures)
+        if analysis.breached:
+            if failures >= spec.strategy.analysis.failure_limit:
+                return _abort(st, state, analysis.message, now, events)
+            return replace(st, phase=Phase.PROGRESSING, message=f"experiment on {exp.metric}: {analysis.message} "
+                                                                f"({failures}/{spec.strategy.analysis.failure_limit}"
+                                                                " failed looks); no promotion meanwhile")
         metric = spec.strategy.analysis.metric(exp.metric)
         direction = metric.direction if metric is not None else "higher"
         found = analysis.comparisons or {}
@@ -151,6 +191,19 @@ def _promote(spec: ModelDeploymentSpec, st: RolloutStatus, state: dict[str, Any]
     weights = {best: 100, **{v: 0 for v in st.weights if v != best}}
     return replace(st, phase=Phase.PROMOTING, stable_version=best, weights=weights, promoted_at=now,
                    previous_stable=old, experiment=state, step_text="done", message=f"{why}; promoted")
+
+
+def _abort(st: RolloutStatus, state: dict[str, Any], why: str, now: float, events: list[Event]) -> RolloutStatus:
+    """A guard failed or an alert fired: stable takes all the traffic back at once."""
+    from .rollout import Event
+
+    stable = st.stable_version or ""
+    state.update(state=ABORTED, winner=None, endedAt=iso(now), message=why)
+    events.append(Event("Warning", "ExperimentAborted", f"{why}: {stable} takes all the traffic back"))
+    weights = {stable: 100, **{v: 0 for v in st.weights if v != stable}}
+    st = replace(st, phase=Phase.ROLLED_BACK, weights=weights, experiment=state, step_text="", abort_reason=why,
+                 rolled_back_at=now, message=f"experiment aborted, rolled back to {stable}: {why}")
+    return with_condition(st, "Progressing", "False", "ExperimentAborted", why, now)
 
 
 def _keep_stable(st: RolloutStatus, state: dict[str, Any], why: str, now: float,

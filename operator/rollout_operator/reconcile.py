@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import children
+from . import children, experiment
 from .verdicts import Analysis
 from .analyzer import analysing, next_due
 from .kube import ApiError
@@ -52,9 +52,16 @@ def firing_alert(mark: str | None, canary: str | None) -> str | None:
     if not mark or not canary:
         return None
     parts = mark.split("@")
-    if len(parts) >= 3 and parts[-1] != canary:
+    if len(parts) >= 3 and parts[-1] and parts[-1] != canary:
         return None
     return parts[0]
+
+
+def _guarded(spec: ModelDeploymentSpec, status: RolloutStatus) -> list[str | None]:
+    """The versions an alert rolls back: the canary, or an experiment's challengers."""
+    if spec.experiment is not None and status.stable_version:
+        return list(experiment.challengers(spec, status.stable_version))
+    return [spec.canary]
 
 
 class Reconciler:
@@ -162,7 +169,8 @@ class Reconciler:
             desired_pods=desired_pods,
             action=new_action.split(":", 1)[0] if new_action else None,
             action_token=new_action,
-            alert=firing_alert(annotations.get(ALERT_ANNOTATION), spec.canary),
+            alert=next((a for v in _guarded(spec, status) if (a := firing_alert(annotations.get(ALERT_ANNOTATION), v))),
+                       None),
         )
 
     def _analyse(self, spec: ModelDeploymentSpec, status: RolloutStatus, body: dict[str, Any],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import comparisons
@@ -103,6 +103,9 @@ class Analysis:
     sequential: dict[str, Any] | None = None  # status.sequential after this look (compare: stable metrics)
     shadow: bool = False  # judged a shadow step
     comparisons: Mapping[str, Comparison] | None = None  # an experiment's look: each challenger against stable
+    # an experiment's look: the challengers whose guards (error rate, latency, custom thresholds)
+    # failed; None when no challenger had the traffic to be judged on them
+    breached: tuple[str, ...] | None = None
 
     @property
     def immediate(self) -> bool:
@@ -193,6 +196,13 @@ def _evaluate_metric(metric: MetricSpec, canary: Sample, stable: Sample | None) 
     else:
         return _bounds(metric, metric.name, canary.custom.get(metric.name), "value")
     return [r for r in out if r is not None]
+
+
+def guard_results(spec: AnalysisSpec, version: str, sample: Sample, stable: Sample | None) -> list[MetricResult]:
+    """The threshold metrics (error rate, latency, custom: not compare: stable, not shadow) of one
+    version of an experiment, each named for it."""
+    return [replace(r, name=f"{r.name} ({version})") for metric in spec.metrics_for(False) if not metric.is_compare
+            for r in _evaluate_metric(metric, sample, stable)]
 
 
 def compare_result(metric: MetricSpec, comparison: Comparison, name: str | None = None) -> MetricResult:

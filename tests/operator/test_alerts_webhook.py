@@ -222,6 +222,28 @@ def test_a_firing_alert_naming_the_canary_by_model_and_version_marks_only_that_m
     assert md_writes(emu) == writes + 1
 
 
+EXPERIMENT_STATUS = {"stableVersion": "v1", "phase": "Progressing", "experiment": {
+    "state": "Running", "control": "v1", "weights": {"v1": 50, "v2": 50}, "metric": "conversion"}}
+
+
+def test_an_alert_naming_a_challenger_of_a_running_experiment_marks_it(
+        emu: EmulatorProcess, kube: KubeClient, webhook: AlertWebhook) -> None:
+    create_md(kube, status=EXPERIMENT_STATUS)
+    create_md(kube, name="done", model="done", status={**EXPERIMENT_STATUS, "experiment": {
+        **EXPERIMENT_STATUS["experiment"], "state": "Winner"}})  # type: ignore[dict-item]
+    writes = md_writes(emu)
+    for labels in ({"model": "scorer", "version": "v1"},  # the control: nothing to abort
+                   {"model": "done", "version": "v2"}):  # a concluded experiment
+        resp = post(webhook, payload(alert({"alertname": "A", **labels})))
+        assert resp.status_code == 200 and resp.json() == {"rolledBack": []}, labels
+    assert md_writes(emu) == writes
+    resp = post(webhook, payload(alert({"alertname": "ChallengerErrors", "model": "scorer", "version": "v2"})))
+    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"ChallengerErrors@{STARTS_AT}@v2"
+    # named by the object, not a version: the mark names none, so it stands for any challenger
+    resp = post(webhook, payload(alert({"alertname": "PodsDown", "namespace": "default", "name": "scorer"})))
+    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"PodsDown@{STARTS_AT}@"
+
+
 def test_the_namespaces_option_limits_model_and_version_lookups(
         emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any]) -> None:
     hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, namespaces=["team-a"])

@@ -187,3 +187,113 @@ def test_an_experiment_against_a_real_runtime_promotes_the_version_users_convert
     assert {"v1": 50, "v2": 50} in served  # the split was held while undecided
     assert [v.name for v in load_config_file(model_dir / "ab.yaml").versions] == ["v2"]
     assert users.counted > 0 and users.failed == 0
+
+
+# -- guards: the challengers are held to the analysis's thresholds and alerts, as a canary is --------
+
+
+def guarded(limit: int = 2) -> Any:
+    """spec() with an error-rate guard (max 5%) and a latency guard (p99 under 0.2 s)."""
+    return parse_spec({
+        "versions": [{"name": v, "uri": f"{v}.mnn"} for v in VERSIONS], "stable": "v1",
+        "experiment": {"weights": {"v1": 34, "v2": 33, "v3": 33}, "metric": "conversion"},
+        "strategy": {"analysis": {"interval": "5s", "failureLimit": limit, "minRequests": 50, "metrics": [
+            {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01},
+            {"name": "error-rate", "max": 0.05}, {"name": "latency-p99", "max": 0.2}]}},
+        "progressDeadlineSeconds": 3600,
+    })
+
+
+def served(requests: float, errors: float, p99: float = 0.01, conv: tuple[int, int] = (100, 1000)) -> Sample:
+    return Sample(requests=requests, errors=errors, latency={"p99": p99},
+                  counts={"conversion": {"successes": float(conv[0]), "trials": float(conv[1])}})
+
+
+def test_a_challenger_over_a_guard_fails_the_look_even_when_it_converts_better() -> None:
+    st = running()
+    samples = {"v1": served(1000, 0), "v2": served(1000, 300, conv=(1600, 10000)), "v3": served(1000, 0, p99=0.5)}
+    look = experiment.evaluate(guarded(), st, samples, T0 + 5)
+    assert look.breached == ("v2", "v3") and look.verdict == FAIL
+    assert look.message == ("v2, v3 breached a guard: error-rate (v2) = 0.3 breached error rate <= 0.05; "
+                            "latency-p99 (v3) = 0.5 breached p99 seconds <= 0.2")
+    st, events = decide(guarded(), st, ALL_READY, look, T0 + 5)
+    assert events == [] and st.phase == Phase.PROGRESSING and st.stable_version == "v1"  # not promoted
+    assert st.failures == 1 and "(1/2 failed looks); no promotion meanwhile" in st.message
+    assert st.weights == {"v1": 34, "v2": 33, "v3": 33}  # failureLimit 2: the split holds for one more look
+    st, events = decide(guarded(), st, ALL_READY, experiment.evaluate(guarded(), st, samples, T0 + 10), T0 + 10)
+    assert reasons(events) == ["ExperimentAborted"] and "v1 takes all the traffic back" in events[0].message
+    assert st.phase == Phase.ROLLED_BACK and st.weights == {"v1": 100, "v2": 0, "v3": 0}
+    assert st.experiment is not None and st.experiment["state"] == "Aborted" and st.abort_reason == look.message
+    assert not analysing(guarded(), st)
+    st, events = decide(guarded(), st, ALL_READY, None, T0 + 20)
+    assert events == [] and st.phase == Phase.ROLLED_BACK  # stays aborted while the spec names it
+
+
+def test_a_clean_look_resets_the_count_and_one_without_enough_traffic_judges_no_guard() -> None:
+    st = running()
+    bad = {"v1": served(1000, 0), "v2": served(1000, 300), "v3": served(1000, 0)}
+    st, _ = decide(guarded(), st, ALL_READY, experiment.evaluate(guarded(), st, bad, T0 + 5), T0 + 5)
+    assert st.failures == 1
+    thin = experiment.evaluate(guarded(), st, {"v1": served(1000, 0), "v2": served(49, 49), "v3": served(49, 0)},
+                               T0 + 10)
+    assert thin.breached is None and thin.verdict == INCONCLUSIVE  # 49 < minRequests: no verdict either way
+    st, _ = decide(guarded(), st, ALL_READY, thin, T0 + 10)
+    assert st.failures == 1
+    clean = experiment.evaluate(guarded(), st, {"v1": served(1000, 0), "v2": served(1000, 10), "v3": served(1000, 0)},
+                                T0 + 15)
+    assert clean.breached == () and [m.verdict for m in clean.metrics if "(" in m.name] == [PASS] * 4
+    st, _ = decide(guarded(), st, ALL_READY, clean, T0 + 15)
+    assert st.failures == 0 and st.phase == Phase.PROGRESSING
+
+
+def test_an_alert_firing_for_a_challenger_aborts_the_experiment_at_once() -> None:
+    st, events = decide(guarded(limit=5), running(), replace(ALL_READY, alert="HighErrorRate"), None, T0 + 1)
+    assert reasons(events) == ["ExperimentAborted"] and events[0].message.startswith("alert HighErrorRate is firing")
+    assert st.phase == Phase.ROLLED_BACK and st.weights == {"v1": 100, "v2": 0, "v3": 0}
+
+
+def test_an_alert_mark_names_a_challenger_or_any_of_them() -> None:
+    from rollout_operator.reconcile import _guarded, firing_alert
+
+    st = running()
+    assert _guarded(spec(), st) == ["v2", "v3"]
+    assert [firing_alert("Slow@t0@v3", v) for v in _guarded(spec(), st)] == [None, "Slow"]
+    assert [firing_alert("Slow@t0@", v) for v in _guarded(spec(), st)] == ["Slow", "Slow"]  # named by object: any
+    assert firing_alert("Slow@t0@v1", "v2") is None
+
+
+def test_a_challenger_breaching_a_guard_on_a_real_runtime_aborts_the_experiment(model_dir: Any) -> None:
+    """The guards are sampled by the same provider as the metric: a p99 bound no forward can meet
+    (1 µs) fails the challenger at its first judged look (failureLimit 1), and stable takes all the
+    traffic back, though users convert more with the challenger."""
+    from mnn_rollout.demo.ports import LocalRollout
+    from mnn_rollout.local.outcomes import Conversions
+    from mnn_rollout.local.process import LocalRuntime
+    from mnn_rollout.local.traffic import Traffic
+
+    raw = {"model": "scorer", "stable": "v1",
+           "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}],
+           "experiment": {"weights": {"v1": 50, "v2": 50}, "metric": "conversion", "maxDuration": "40s"},
+           "strategy": {"analysis": {"interval": "1s", "failureLimit": 1, "metrics": [
+               {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.1},
+               {"name": "latency-p99", "max": 0.000001}]}, "scaleDownDelaySeconds": 1},
+           "progressDeadlineSeconds": 60}
+    rollout = LocalRollout(raw, model_dir / "guarded.yaml", name="scorer", time_limit=50)
+    rollout.prepare()
+    runtime = LocalRuntime(model_dir / "guarded.yaml", model_dir / "runtime.log")
+    runtime.start()
+    users = Conversions(runtime.url, "scorer", {"v1": 0.10, "v2": 0.30}).start()
+    traffic = Traffic(runtime.url, "scorer", users=500, rate=150, connections=2, max_seconds=60,
+                      on_answer=users.answered).start()
+    try:
+        final = rollout.run(runtime.url)
+    finally:
+        traffic.stop()
+        users.stop()
+        assert runtime.stop() == 0
+    assert final.phase == Phase.ROLLED_BACK and final.stable_version == "v1", final.message
+    assert final.weights == {"v1": 100, "v2": 0}
+    assert final.experiment is not None and final.experiment["state"] == "Aborted"
+    assert final.abort_reason is not None and final.abort_reason.startswith("v2 breached a guard: latency-p99 (v2) = ")
+    assert "ExperimentAborted" in reasons([e for _, e in rollout.events])
+    assert "RolloutPromoted" not in reasons([e for _, e in rollout.events])
