@@ -4,6 +4,10 @@ Request ``k`` is due at ``start + k / rate`` whatever happened to the others, an
 counts from that due time: a server (or a generator) that stalls shows in the latency of every
 request that waited behind the stall, instead of those requests being sent late and timed short.
 
+One schedule (``_Schedule``) serves both clients: it hands request ``k`` to the client at its due
+time, notes how late that was, and records each answer's latency (from the due time) and outcome.
+A client only sends request ``k`` on one of its connections and reports when it is answered:
+
 - REST: ``http_open_loop`` below, a lean HTTP/1.1 client (prebuilt requests, keep-alive, one
   request in flight per connection; a request due while every connection is busy waits for the
   first one free, its latency still counted from its due time). The shared traffic generator's
@@ -24,8 +28,9 @@ import asyncio
 import struct
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
@@ -62,18 +67,77 @@ def _open_loop(rate: float, seconds: float, latencies: Sequence[float], sent: in
     return OpenLoop(rate, seconds, sent, ok, failed, float(p50), float(p99), float(p999), max_lag * 1000)
 
 
-class _HttpConn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection of the REST generator."""
+class _Schedule:
+    """The fixed-rate schedule of both clients, and its record.
 
-    def __init__(self, pool: _HttpPool) -> None:
-        self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.buffer = b""
-        self.due = 0.0
-        self.lost = False
+    ``run(send, ...)`` calls ``send(k, due)`` for request ``k`` as soon as ``due = start + k / rate``
+    has come (never earlier, never skipped), keeping the worst lateness; ``send`` returns whether an
+    answer is awaited (False: nowhere to send it, it simply fails). The client calls
+    ``answered(due, ok)`` when one comes: its latency counts from ``due``. Requests unanswered
+    ``drain`` s after the last was due fail; so do those answered without success.
+    """
+
+    def __init__(self, rate: float, seconds: float) -> None:
+        self.rate, self.seconds = rate, seconds
+        self.latencies: list[float] = []  # s, of every answer (successful or not)
+        self.ok = 0
+        self.waiting = 0  # handed to the client and not answered yet
+
+    def answered(self, due: float, ok: bool) -> None:
+        self.latencies.append(time.perf_counter() - due)
+        self.ok += ok
+        self.waiting -= 1
+
+    async def run(self, send: Callable[[int, float], bool], conns: Sequence[_Conn], drain: float) -> OpenLoop:
+        rate, total = self.rate, int(self.rate * self.seconds)
+        start = time.perf_counter() + 0.01
+        max_lag, k = 0.0, 0
+        while k < total:
+            now = time.perf_counter()
+            while k < total and start + k / rate <= now:
+                due = start + k / rate
+                max_lag = max(max_lag, now - due)
+                self.waiting += send(k, due)
+                k += 1
+            if k < total:
+                await asyncio.sleep(max(0.0, start + k / rate - time.perf_counter()))
+        deadline = time.perf_counter() + drain
+        while self.waiting and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in conns:
+            if conn.transport is not None:
+                conn.transport.close()
+        return _open_loop(rate, self.seconds, self.latencies, total, self.ok, total - self.ok, max_lag)
+
+
+class _Conn(asyncio.Protocol):
+    """One connection of a client: its transport, and whether the peer has gone."""
+
+    transport: asyncio.Transport | None = None
+    lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
+C = TypeVar("C", bound=_Conn)
+
+
+async def _connect(factory: Callable[[], C], host: str, port: int, connections: int) -> list[C]:
+    loop = asyncio.get_running_loop()
+    return [(await loop.create_connection(factory, host, port))[1] for _ in range(connections)]
+
+
+class _HttpConn(_Conn):
+    """One keep-alive HTTP/1.1 connection of the REST client."""
+
+    def __init__(self, pool: _HttpPool) -> None:
+        self.pool = pool
+        self.buffer = b""
+        self.due = 0.0  # of the request in flight; 0: none
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -101,29 +165,31 @@ class _HttpConn(asyncio.Protocol):
 
 
 class _HttpPool:
-    def __init__(self) -> None:
+    """The REST client's connections, one request in flight on each: a request due while every one
+    is busy waits (``backlog``) for the first one free."""
+
+    def __init__(self, schedule: _Schedule, requests: list[bytes]) -> None:
+        self.schedule, self.requests = schedule, requests
         self.free: list[_HttpConn] = []
         self.backlog: deque[tuple[bytes, float]] = deque()
-        self.results: list[tuple[float, int]] = []  # (latency s, HTTP status; 0: no answer)
-        self.in_flight = 0
 
-    def submit(self, request: bytes, due: float) -> None:
+    def send(self, k: int, due: float) -> bool:
+        request = self.requests[k % len(self.requests)]
         while self.free:
             conn = self.free.pop()
             if not conn.lost:
-                self.in_flight += 1
                 conn.send(request, due)
-                return
+                return True
         self.backlog.append((request, due))
+        return True
 
     def finish(self, conn: _HttpConn, status: int) -> None:
-        self.results.append((time.perf_counter() - conn.due, status))
+        """``conn``'s request was answered with HTTP ``status`` (0: its connection was lost)."""
+        self.schedule.answered(conn.due, 200 <= status < 300)
         conn.due = 0.0
-        self.in_flight -= 1
         if conn.lost:
             return
         if self.backlog:
-            self.in_flight += 1
             conn.send(*self.backlog.popleft())
         else:
             self.free.append(conn)
@@ -131,30 +197,10 @@ class _HttpPool:
 
 async def _http_open_loop(host: str, port: int, requests: list[bytes], rate: float, seconds: float,
                           connections: int, drain: float) -> OpenLoop:
-    loop = asyncio.get_running_loop()
-    pool = _HttpPool()
-    for _ in range(connections):
-        _, conn = await loop.create_connection(lambda: _HttpConn(pool), host, port)
-        pool.free.append(conn)
-    total = int(rate * seconds)
-    start = time.perf_counter() + 0.01
-    max_lag, k = 0.0, 0
-    while k < total:
-        now = time.perf_counter()
-        while k < total and start + k / rate <= now:
-            max_lag = max(max_lag, now - (start + k / rate))
-            pool.submit(requests[k % len(requests)], start + k / rate)
-            k += 1
-        if k < total:
-            await asyncio.sleep(max(0.0, start + k / rate - time.perf_counter()))
-    deadline = time.perf_counter() + drain
-    while (pool.in_flight or pool.backlog) and time.perf_counter() < deadline:
-        await asyncio.sleep(0.01)
-    for conn in pool.free:
-        if conn.transport is not None:
-            conn.transport.close()
-    ok = sum(1 for _, status in pool.results if 200 <= status < 300)
-    return _open_loop(rate, seconds, [lat for lat, _ in pool.results], total, ok, total - ok, max_lag)
+    schedule = _Schedule(rate, seconds)
+    pool = _HttpPool(schedule, requests)
+    pool.free = await _connect(lambda: _HttpConn(pool), host, port, connections)
+    return await schedule.run(pool.send, list(pool.free), drain)
 
 
 def http_open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, keys: list[str],
@@ -184,31 +230,26 @@ def traffic_open_loop(url: str, bodies: list[bytes], rate: float, seconds: float
                       traffic.max_lag)
 
 
-class _Conn(asyncio.Protocol):
-    """One HTTP/2 connection of the gRPC generator: calls out, their trailers' grpc-status back."""
+class _H2Conn(_Conn):
+    """One HTTP/2 connection of the gRPC client: calls out, their trailers' grpc-status back."""
 
-    def __init__(self, done: dict[int, tuple[float, int]], due: dict[int, float]) -> None:
-        self.done, self.due = done, due  # (stream key) -> (latency s, grpc-status); (stream key) -> due time
+    def __init__(self, schedule: _Schedule) -> None:
+        self.schedule = schedule
+        self.due: dict[int, float] = {}  # stream id -> due time of its call, until answered
         self.decoder = hpack.Decoder()
         self.buffer = bytearray()
         self.next_stream = 1
         self.unacked = 0
-        self.transport: asyncio.Transport | None = None
-        self.lost = False
-        self.key = 0  # this connection's number: stream keys are key << 32 | stream id
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        super().connection_made(transport)
         transport.write(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, struct.pack(">HI", 0x4, 1 << 24))  # type: ignore[attr-defined]
                         + h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", (1 << 30) - 65535)))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
 
     def send(self, block: bytes, message: bytes, due: float) -> None:
         sid = self.next_stream
         self.next_stream += 2
-        self.due[self.key << 32 | sid] = due
+        self.due[sid] = due
         assert self.transport is not None
         self.transport.write(h2.frame(h2.HEADERS, h2.END_HEADERS, sid, block)
                              + h2.frame(h2.DATA, h2.END_STREAM, sid, message))
@@ -251,49 +292,29 @@ class _Conn(asyncio.Protocol):
             self.lost = True
 
     def _finish(self, sid: int, status: int) -> None:
-        due = self.due.pop(self.key << 32 | sid, None)
+        due = self.due.pop(sid, None)
         if due is not None:
-            self.done[self.key << 32 | sid] = (time.perf_counter() - due, status)
+            self.schedule.answered(due, status == 0)
 
 
 async def _grpc_open_loop(host: str, port: int, message: bytes, rate: float, seconds: float,
                           metadata: Mapping[str, str], connections: int, drain: float) -> OpenLoop:
-    loop = asyncio.get_running_loop()
-    done: dict[int, tuple[float, int]] = {}
-    due: dict[int, float] = {}
-    conns: list[_Conn] = []
-    for i in range(connections):
-        _, conn = await loop.create_connection(lambda: _Conn(done, due), host, port)
-        conn.key = i
-        conns.append(conn)
+    schedule = _Schedule(rate, seconds)
+    conns = await _connect(lambda: _H2Conn(schedule), host, port, connections)
     await asyncio.sleep(0.05)  # SETTINGS exchanged
     block = (b"\x83\x86" + hpack.encode_indexed_name(4, GRPC_INFER) + hpack.encode_indexed_name(1, f"{host}:{port}")
              + hpack.encode_indexed_name(31, "application/grpc") + hpack.encode_literal("te", "trailers")
              + b"".join(hpack.encode_literal(k, v) for k, v in metadata.items()))
     framed = struct.pack(">BI", 0, len(message)) + message
-    total = int(rate * seconds)
-    start = time.perf_counter() + 0.01
-    max_lag, k = 0.0, 0
-    while k < total:
-        now = time.perf_counter()
-        while k < total and start + k / rate <= now:
-            at = start + k / rate
-            max_lag = max(max_lag, now - at)
-            conn = conns[k % connections]
-            if not conn.lost:
-                conn.send(block, framed, at)
-            k += 1
-        if k < total:
-            await asyncio.sleep(max(0.0, start + k / rate - time.perf_counter()))
-    deadline = time.perf_counter() + drain
-    while due and time.perf_counter() < deadline:
-        await asyncio.sleep(0.01)
-    for conn in conns:
-        if conn.transport is not None:
-            conn.transport.close()
-    latencies = [lat for lat, _ in done.values()]
-    ok = sum(1 for _, status in done.values() if status == 0)
-    return _open_loop(rate, seconds, latencies, total, ok, total - ok, max_lag)
+
+    def send(k: int, due: float) -> bool:
+        conn = conns[k % connections]  # in turn, any number of calls in flight on each
+        if conn.lost:
+            return False
+        conn.send(block, framed, due)
+        return True
+
+    return await schedule.run(send, conns, drain)
 
 
 def grpc_open_loop(target: str, message: bytes, rate: float, seconds: float,
