@@ -125,13 +125,13 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
                      current_step=None, step_text="", shadow_percent=None, sequential=None, abort_reason=None)
     if state.get("state") != RUNNING:
         return st  # concluded: what it decided keeps serving while the spec names it
+    if world.alert:  # even while a challenger still loads
+        return _abort(st, state, f"alert {world.alert} is firing", now, events)
     weights = hold_unready(exp.weights, st.weights, stable, world)
     if weights != dict(exp.weights):
         waiting = sorted(v for v in exp.weights if not world.ready(v))
         return replace(st, weights=weights, message=f"experiment: waiting for {', '.join(waiting) or 'the split'} "
                                                     "to load on every pod")
-    if world.alert:
-        return _abort(st, state, f"alert {world.alert} is firing", now, events)
     if st.step_started_at is None:
         st = replace(st, weights=weights, step_started_at=now)  # the split is served: the clock starts now
     if analysis is not None:

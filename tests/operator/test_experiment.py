@@ -250,6 +250,12 @@ def test_an_alert_firing_for_a_challenger_aborts_the_experiment_at_once() -> Non
     st, events = decide(guarded(limit=5), running(), replace(ALL_READY, alert="HighErrorRate"), None, T0 + 1)
     assert reasons(events) == ["ExperimentAborted"] and events[0].message.startswith("alert HighErrorRate is firing")
     assert st.phase == Phase.ROLLED_BACK and st.weights == {"v1": 100, "v2": 0, "v3": 0}
+    loading = World(versions_ready={"v1": True, "v2": True, "v3": False}, ready_pods=2, desired_pods=2,
+                    alert="HighErrorRate")
+    st, events = decide(guarded(), RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}),
+                        loading, None, T0)
+    assert reasons(events) == ["ExperimentStarted", "ExperimentAborted"]  # not held until v3 loads
+    assert st.phase == Phase.ROLLED_BACK and st.weights == {"v1": 100}
 
 
 def test_an_alert_mark_names_a_challenger_or_any_of_them() -> None:
