@@ -448,3 +448,11 @@ def test_a_client_that_reads_nothing_cannot_make_the_server_buffer_without_bound
         assert held < 1 << 20, f"{held} bytes of answers held for a client that reads none"
     finally:
         sock.close()
+
+
+def test_a_uvicorn_without_what_infer_protocol_relies_on_gets_the_asgi_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = InferFastPath(None, None)  # type: ignore[arg-type]
+    made = fastpath.protocol_for(fast)
+    assert isinstance(made, type) and made.fast is fast  # type: ignore[attr-defined]
+    monkeypatch.setattr(fastpath, "_UVICORN_NAMES", (*fastpath._UVICORN_NAMES, "a_renamed_attribute"))
+    assert fastpath.protocol_for(fast) == "httptools"
