@@ -188,7 +188,8 @@ class KubeClient:
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
         self.max_retry_after = max_retry_after
-        self.sleep: Callable[[float], None] = time.sleep
+        self._stopped = threading.Event()
+        self.sleep: Callable[[float], object] = self._stopped.wait  # a retry's pause; ends early on stop()
         self._stats_lock = threading.Lock()
         self.writes = 0  # create/replace/patch/apply/delete calls made (not attempts), for tests and metrics
         self.retries = 0  # attempts repeated, all reasons
@@ -198,6 +199,11 @@ class KubeClient:
 
     def close(self) -> None:
         self.api.close()
+
+    def stop(self) -> None:
+        """The operator is exiting: every request from now on fails at once (ApiError reason
+        "Stopped") before it is sent, and retry pauses end now. A request already sent is answered."""
+        self._stopped.set()
 
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
@@ -245,6 +251,9 @@ class KubeClient:
         while True:
             attempt += 1
             self._throttle()
+            if self._stopped.is_set():
+                raise ApiError(0, f"{method} {path}: not sent, the operator is exiting", "Stopped",
+                               attempts=attempt - 1, ambiguous=ambiguous)
             try:
                 code, headers, raw = self._send(method, path, body, params, content_type)
             except urllib3.exceptions.HTTPError as exc:

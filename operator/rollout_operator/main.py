@@ -87,6 +87,13 @@ for _group, _version, _plural in (("", "v1", "configmaps"), ("", "v1", "services
                   id=f"child-{_plural}")(_child_changed)
 
 
+@kopf.on.cleanup()
+def exiting(memo: kopf.Memo, **_: Any) -> None:
+    """The daemons' loops have seen the exit already (the first one stopped with OPERATOR_EXITING);
+    this covers an exit with none running: no reconcile or API request after it."""
+    memo.wakeups.exit()
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def forget(*, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     """Children go by garbage collection (owner references); only drop our metric series."""

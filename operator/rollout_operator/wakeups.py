@@ -8,6 +8,11 @@ by a change of its runtime pods' phase, readiness or address, and by a change to
 children (a hand edit or deletion, which the reconcile repairs); its own status writes do not
 wake it. An idle object (no canary in flight, every routed version loaded, no pending action) has
 no timer at all: it costs nothing but its share of the watches.
+
+On operator exit kopf stops the daemons one after another (a stopper task each); the first one
+told ``OPERATOR_EXITING`` ends every loop at once (``WakeUps.exit``): no reconcile starts after
+that, queued ones are dropped, and the API client makes no further request, so one that was
+running is cut at its next request (its state is in the object's status, as after a crash).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import kopf
 
 from .analyzer import next_due
 from .kube import ApiError
@@ -96,6 +103,7 @@ class WakeUps:
         self._seen: dict[Key, tuple[Any, ...]] = {}
         self._pods: dict[tuple[str, str], tuple[Any, ...]] = {}  # (namespace, pod) -> signature
         self._children: dict[tuple[str, str], tuple[Any, ...]] = {}  # (namespace, Kind/name) -> signature
+        self.exiting = False  # the operator is exiting: nothing more is reconciled or written
 
     def wake(self, key: Key) -> None:
         event = self._events.get(key)
@@ -141,7 +149,7 @@ class WakeUps:
         resuming after a peering pause, 410 Gone) and reports no deletions from the gap. List the
         kind once (off the loop) so the cache drops what is gone, and wake the owners of it."""
         cache, kube = self.cache, getattr(self.reconciler.ports, "kube", None)
-        if cache is None or kube is None or not cache.needs_relist(kind):
+        if self.exiting or cache is None or kube is None or not cache.needs_relist(kind):
             return
         loop = asyncio.get_running_loop()
 
@@ -159,17 +167,30 @@ class WakeUps:
         loop.run_in_executor(self.pool, relist)
 
     async def run(self, namespace: str, name: str, stopped: Any) -> None:
-        """The object's loop: reconcile, then sleep until woken, due, or stopped."""
+        """The object's loop: reconcile, then sleep until woken, due, or stopped. Stopped, it returns
+        at once, even from a reconcile in progress (that goes on in its thread, or is dropped if it
+        had not started)."""
+        if self.exiting:
+            return
         key = (namespace, name)
         event = self._events.setdefault(key, asyncio.Event())
         loop = asyncio.get_running_loop()
-        stop = asyncio.ensure_future(_stopped(stopped))
+        stop: asyncio.Future[Any] = asyncio.ensure_future(self._until_stopped(stopped))
         try:
-            while not stopped:
+            while not stopped and not self.exiting:
                 event.clear()
                 # kopf's context (where kopf.event posts) goes along into the pool's thread
                 context = contextvars.copy_context()
-                delay = await loop.run_in_executor(self.pool, context.run, self._once, namespace, name)
+                try:
+                    reconcile: asyncio.Future[Any] = loop.run_in_executor(
+                        self.pool, context.run, self._once, namespace, name)
+                except RuntimeError:  # the pool is shut: the operator is exiting
+                    return
+                await asyncio.wait([reconcile, stop], return_when=asyncio.FIRST_COMPLETED)
+                if not reconcile.done():
+                    reconcile.cancel()  # drops it if still queued; a running one goes on in its thread
+                    return
+                delay = reconcile.result()
                 if delay is False:
                     return  # the object is gone
                 woken = asyncio.ensure_future(event.wait())
@@ -181,8 +202,31 @@ class WakeUps:
             self._events.pop(key, None)
             self._seen.pop(key, None)
 
+    async def _until_stopped(self, stopped: Any) -> None:
+        await stopped.wait()
+        reason = getattr(stopped, "reason", None)
+        if reason is not None and kopf.DaemonStoppingReason.OPERATOR_EXITING in reason:
+            self.exit()
+
+    def exit(self) -> None:
+        """The operator is exiting: end every object's loop now rather than as kopf reaches it,
+        start no reconcile, drop the queued ones, and let the API client make no more requests
+        (a reconcile running in a thread is cut at its next one). Not for a peering pause."""
+        if self.exiting:
+            return
+        self.exiting = True
+        log.info("operator exiting: %d object loops end, no further reconcile or API request", len(self._events))
+        kube = getattr(self.reconciler.ports, "kube", None)
+        if kube is not None and hasattr(kube, "stop"):
+            kube.stop()
+        for event in list(self._events.values()):
+            event.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
     def _once(self, namespace: str, name: str) -> float | None | bool:
         """One reconcile (in the pool); the next wake-up delay, None for events only, False when gone."""
+        if self.exiting:
+            return False
         try:
             live = self.reconciler.ports.read(namespace, name)
             if live is None:
@@ -203,12 +247,18 @@ class WakeUps:
         except SpecError:
             return None  # an invalid spec waits for the user's next edit
         except ApiError as exc:
+            if self.exiting:
+                log.info("reconcile of %s/%s cut short: the operator is exiting (%s)", namespace, name, exc)
+                return False
             if exc.status == 409:  # a child written by someone else in between
                 log.info("reconcile of %s/%s met a conflict; again shortly", namespace, name)
                 return 0.2
             log.exception("reconcile of %s/%s failed; retrying in %g s", namespace, name, self.resync)
             return self.resync
         except Exception:  # keep the object's loop alive; the next pass retries
+            if self.exiting:
+                log.info("reconcile of %s/%s cut short: the operator is exiting", namespace, name, exc_info=True)
+                return False
             log.exception("reconcile of %s/%s failed; retrying in %g s", namespace, name, self.resync)
             return self.resync
 
@@ -225,7 +275,3 @@ def _changed(seen: dict[Any, tuple[Any, ...]], key: Any, signature: tuple[Any, .
     else:
         seen[key] = signature
     return True
-
-
-async def _stopped(stopped: Any) -> None:
-    await stopped.wait()
