@@ -171,7 +171,11 @@ class KubeClient:
 
     def __init__(self, configuration: Any | None = None, timeout: float = 10.0, *,
                  qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST, max_attempts: int = 5,
-                 backoff_base: float = 0.2, backoff_max: float = 10.0, max_retry_after: float = 60.0) -> None:
+                 backoff_base: float = 0.2, backoff_max: float = 10.0, max_retry_after: float = 60.0,
+                 connections: int = 16) -> None:
+        """``connections``: kept-alive connections to the API server, at least one per thread that
+        uses this client at once (the kubernetes package keeps 5 per CPU: 10 on 2 cores, fewer than
+        the 16 reconcile threads, so connections were dropped and opened again under load)."""
         from kubernetes import client
 
         self.configuration = configuration or load_configuration()
@@ -180,6 +184,7 @@ class KubeClient:
         transport = copy.copy(self.configuration)
         transport.retries = False
         transport.client_go_retries = False
+        transport.connection_pool_maxsize = max(transport.connection_pool_maxsize or 0, connections)
         self.api = client.ApiClient(transport)
         self.api.user_agent = USER_AGENT
         self.timeout = timeout

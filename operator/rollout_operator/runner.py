@@ -68,7 +68,9 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)
-    kube = KubeClient(qps=args.kube_qps, burst=args.kube_burst)  # one client, one rate limit, for every thread
+    # one client, one rate limit, for every thread: a connection each for the reconcile threads,
+    # the relists and the alert webhook
+    kube = KubeClient(qps=args.kube_qps, burst=args.kube_burst, connections=args.reconcile_workers + 4)
     reconciler = Reconciler(ClusterPorts(kube), metrics, analyzer=Analyzer(ProviderFactory(kube.secret_value)),
                             runtime_image=args.runtime_image)
     if args.webhook_port:

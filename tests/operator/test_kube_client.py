@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import socket
 import threading
 import time
@@ -389,3 +390,28 @@ def test_the_operator_flags_set_the_rate_limit(monkeypatch: pytest.MonkeyPatch) 
     runner.add_arguments(parser)
     args = parser.parse_args([])
     assert (args.kube_qps, args.kube_burst) == (0.0, 1)
+
+
+def test_the_client_keeps_a_connection_per_reconcile_thread(emu: EmulatorProcess, make_client: Callable[..., KubeClient],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """16 threads at once on one client: with fewer pooled connections than threads, urllib3
+    drops connections after use ("Connection pool is full") and opens new ones under load."""
+    def burst(client: KubeClient) -> int:
+        barrier = threading.Barrier(16)
+
+        def many() -> None:
+            barrier.wait(10)
+            for _ in range(10):
+                client.list("ConfigMap", "default")
+
+        threads = [threading.Thread(target=many) for _ in range(16)]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        return sum("Connection pool is full" in r.getMessage() for r in caplog.records)
+
+    assert burst(make_client(emulator_cfg(emu), qps=0, connections=4)) > 0  # the check sees a pool too small
+    assert burst(make_client(emulator_cfg(emu), qps=0)) == 0  # the default: one per reconcile thread
