@@ -99,6 +99,80 @@ def test_cancelling_the_task_cancels_the_coroutine_and_runs_its_cleanup(factory:
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0)
-        assert seen == ["cleanup"]  # closed: its finally ran, it never slept 5 s
+        assert seen == ["cancelled", "cleanup"]  # told, as a Task tells it: it never slept 5 s
+
+    run(factory, main)
+
+
+async def _outcome(awaitable: Any) -> str:
+    try:
+        return f"returned {await awaitable!r}"
+    except asyncio.CancelledError:
+        return "cancelled"
+    except Exception as exc:  # noqa: BLE001
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("factory", LOOPS)
+def test_eager_start_ends_as_a_task_would_in_the_corners_a_review_found(factory: Any) -> None:
+    """Each scenario runs under a real Task and under eager.start: same result, same steps seen."""
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    async def handles_cancel(seen: list[str], loop: Any) -> str:  # cancelled at a bare yield, and returns
+        try:
+            for _ in range(1000):
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            seen.append("except CancelledError")
+            return "handled-cancel"
+        return "never cancelled"
+
+    async def awaits(seen: list[str], future: asyncio.Future[str]) -> str:
+        try:
+            got = await future
+            await asyncio.sleep(0)
+            return got
+        except asyncio.CancelledError:
+            seen.append("except CancelledError")
+            raise
+        finally:
+            seen.append("finally")
+
+    async def sets_var(seen: list[str]) -> None:
+        var.set("set-by-request")
+        await asyncio.sleep(0)
+
+    async def scenario(name: str, eager_: bool) -> tuple[str, list[str], str]:
+        loop = asyncio.get_running_loop()
+        seen: list[str] = []
+        future: asyncio.Future[str] = loop.create_future()
+        coro = {"bare-yield cancel handled": lambda: handles_cancel(seen, loop),
+                "cancel after the future is done": lambda: awaits(seen, future),
+                "cancel before the first step": lambda: awaits(seen, future),
+                "context": lambda: sets_var(seen)}[name]()
+        task = eager.start(loop, coro)[1] if eager_ else loop.create_task(coro)
+        if name == "bare-yield cancel handled":
+            for _ in range(3):
+                await asyncio.sleep(0)
+            task.cancel()
+        elif name == "cancel after the future is done":
+            await asyncio.sleep(0)
+            future.set_result("value")
+            task.cancel()
+        elif name == "cancel before the first step":  # (eager: the coroutine ran up to its first wait)
+            if not eager_:
+                await asyncio.sleep(0)  # a Task: its first step runs the coroutine that far
+            task.cancel()
+        result = await _outcome(task)
+        return result, seen, f"future cancelled: {future.cancelled()}, var {var.get()}"
+
+    async def main() -> None:
+        for name in ("bare-yield cancel handled", "cancel after the future is done", "cancel before the first step",
+                     "context"):
+            # each in a Task of its own: a context variable leaking out of one is seen by its result
+            loop = asyncio.get_running_loop()
+            assert await loop.create_task(scenario(name, True)) == await loop.create_task(scenario(name, False)), name
 
     run(factory, main)
