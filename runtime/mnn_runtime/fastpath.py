@@ -245,6 +245,13 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             cycle = self.cycle
             parser = self.parser
+            if self.transport.is_closing():
+                # An answer written in this same data_received closed the connection (draining, or
+                # a request not kept alive): what is pipelined behind it is not run, as uvicorn
+                # runs none (it would be answered to nobody, yet counted and fed to the shadow).
+                done = self.cycle = _InferCycle(self, "", None, False)  # type: ignore[assignment]
+                done.response_complete = True
+                return
             # Not while the client is not reading its answers (flow.write_paused): uvicorn's cycle
             # then waits for the socket to drain, and stops reading meanwhile.
             if ((cycle is None or cycle.response_complete) and parser.get_method() == b"POST"

@@ -361,6 +361,31 @@ def test_draining_closes_a_kept_alive_connection_after_its_next_answer(served: S
     assert calls == 0 and (second.status, second.headers.get("connection"), closed) == (200, "close", True)
 
 
+def test_draining_runs_nothing_pipelined_behind_the_closing_answer(served: Served, monkeypatch: pytest.MonkeyPatch,
+                                                                   ) -> None:
+    """Found in review: the answer closes the connection in the middle of the read; the requests
+    behind it in the same read must not run (uvicorn's path runs none either)."""
+    called: list[str] = []
+    infer = served.runtime.dataplane.infer
+
+    async def spied(model: str, version: str | None, body: bytes, headers: Any, *more: Any) -> Any:
+        called.append(json.loads(body).get("id"))
+        return await infer(model, version, body, headers, *more)
+
+    monkeypatch.setattr(served.runtime.dataplane, "infer", spied)
+    served.runtime.app.draining = True
+    conn = Conn(served.port)
+    try:
+        conn.send(*[req(INFER, tensor(i / 4, id=f"d{i}")) for i in range(4)])
+        first = conn.reply()
+        closed = conn.closed_by_server()
+    finally:
+        served.runtime.app.draining = False
+        conn.close()
+    assert (first.status, first.headers.get("connection"), closed) == (200, "close", True)
+    assert called == ["d0"]
+
+
 def test_a_batched_version_answers_concurrent_requests_from_tasks(served: Served) -> None:
     count, started = 12, len(served.from_tasks)
     data = [req(BATCHED, tensor(i / count, id=f"b{i}")) for i in range(count)]
