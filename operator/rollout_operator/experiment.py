@@ -67,8 +67,13 @@ def evaluate(spec: ModelDeploymentSpec, status: RolloutStatus, samples: Mapping[
             metric, sample.counts.get(metric.name), base.counts.get(metric.name), sample.since_step, 0,
             prior.get(version), now, comparisons=len(others))
         results.append(compare_result(metric, found[version], f"{metric.name} {version} vs {stable}"))
-    guards, breached = _guards(spec, others, samples, base)
-    best = winner(found, metric.direction) if found else None
+    guards, breached, judged = _guards(spec, others, samples, base)
+    # Promoted only once judged on its guards in this very look (never on missing data): a
+    # challenger with too little traffic in the interval, or no sample of it, waits.
+    guarded = any(not m.is_compare for m in spec.strategy.analysis.metrics_for(False))
+    promotable = {v: c for v, c in found.items() if not guarded or v in judged}
+    best = winner(promotable, metric.direction) if promotable else None
+    unjudged = winner(found, metric.direction) if found and best is None else None
     lost = len(found) == len(others) and all(c.decision == WORSE for c in found.values())
     if breached:
         failed = [g for g in guards if g.verdict == FAIL]
@@ -77,18 +82,21 @@ def evaluate(spec: ModelDeploymentSpec, status: RolloutStatus, samples: Mapping[
             prior or None, comparisons=found, breached=breached)
     verdict = PASS if best else FAIL if lost else INCONCLUSIVE
     message = f"{best} is better than {stable}" if best else \
-        f"every challenger is worse than {stable}" if lost else "undecided"
-    return Analysis(now, verdict, (*results, *guards), None, message, prior or None, comparisons=found,
+        f"every challenger is worse than {stable}" if lost else \
+        f"{unjudged} is better than {stable} but not judged on its guards in this look (fewer than " \
+        "minRequests requests, or no sample): not promoted yet" if unjudged else "undecided"
+    return Analysis(now, verdict, (*results, *guards), None, message, prior or None, comparisons=promotable,
                     breached=breached)
 
 
 def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, Sample], base: Sample,
-            ) -> tuple[list[MetricResult], tuple[str, ...] | None]:
+            ) -> tuple[list[MetricResult], tuple[str, ...] | None, set[str]]:
     """Each challenger's threshold metrics, for those with minRequests in the interval (no verdict
-    without evidence), and the challengers that failed one (None: none could be judged)."""
+    without evidence); the challengers that failed one (None: none could be judged); and those
+    judged that passed every one."""
     analysis = spec.strategy.analysis
     guards: list[MetricResult] = []
-    judged, breached = False, []
+    judged, breached, passed = False, [], set()
     for version in others:
         sample = samples.get(version)
         if sample is None or sample.error is not None or sample.requests is None \
@@ -99,7 +107,9 @@ def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, 
         guards.extend(checks)
         if any(c.verdict == FAIL for c in checks):
             breached.append(version)
-    return guards, tuple(breached) if judged else None
+        elif checks and all(c.verdict == PASS for c in checks):
+            passed.add(version)
+    return guards, tuple(breached) if judged else None, passed
 
 
 def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis: Analysis | None, now: float,

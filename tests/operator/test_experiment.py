@@ -246,6 +246,25 @@ def test_a_clean_look_resets_the_count_and_one_without_enough_traffic_judges_no_
     assert st.failures == 0 and st.phase == Phase.PROGRESSING
 
 
+def test_a_better_challenger_is_promoted_only_once_judged_on_its_guards_in_that_look() -> None:
+    """Found in review: the metric's counts build up over the whole step, the guards count the
+    interval; a challenger too thin in the interval, or with no request count, was promoted unguarded."""
+    st = running()
+    conv = {"v1": (1000, 10000), "v2": (1600, 10000), "v3": (1000, 10000)}
+    thin, uncounted = served(49, 49, p99=9.0, conv=conv["v2"]), Sample(requests=None, counts=served(0, 0, conv=conv["v2"]).counts)
+    for v2 in (thin, uncounted):
+        samples = {"v1": served(1000, 0, conv=conv["v1"]), "v2": v2, "v3": served(1000, 0, conv=conv["v3"])}
+        look = experiment.evaluate(guarded(), st, samples, T0 + 5)
+        assert look.verdict == INCONCLUSIVE and look.message.startswith(
+            "v2 is better than v1 but not judged on its guards in this look"), look.message
+        after, events = decide(guarded(), st, ALL_READY, look, T0 + 5)
+        assert events == [] and after.stable_version == "v1" and after.phase == Phase.PROGRESSING
+    samples = {"v1": served(1000, 0, conv=conv["v1"]), "v2": served(1000, 5, conv=conv["v2"]),
+               "v3": served(1000, 0, conv=conv["v3"])}
+    st, events = decide(guarded(), st, ALL_READY, experiment.evaluate(guarded(), st, samples, T0 + 10), T0 + 10)
+    assert reasons(events) == ["ExperimentConcluded", "RolloutPromoted"] and st.stable_version == "v2"
+
+
 def test_an_alert_firing_for_a_challenger_aborts_the_experiment_at_once() -> None:
     st, events = decide(guarded(limit=5), running(), replace(ALL_READY, alert="HighErrorRate"), None, T0 + 1)
     assert reasons(events) == ["ExperimentAborted"] and events[0].message.startswith("alert HighErrorRate is firing")
