@@ -3,7 +3,8 @@ the A/B experiment one of whose challengers it names).
 
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
 ``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The webhook only marks the object (the
-``mnnrollout.io/alert`` annotation, ``alertname@startsAt@canary``) while the alert fires, and
+``mnnrollout.io/alert`` annotation, ``alertname@startsAt@canary``, or ``@v2,v3``: an experiment's
+challengers) while the alert fires, and
 removes the mark when Alertmanager reports it resolved; the replica that holds the peering lease
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
 missing or wrong bearer token 401, and neither changes anything.
@@ -114,8 +115,10 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
         for md in targets(kube, labels, namespaces):
             meta = md["metadata"]
             status = md.get("status") or {}
-            # the canary; in an experiment the challenger the alert names, else none: any of them
-            named = labels.get("version") if labels.get("version") in challengers(status) else ""
+            # the canary; in an experiment the challenger the alert names, else all of them (a mark
+            # names versions, so a later canary of another version is not rolled back by it)
+            named = labels.get("version") if labels.get("version") in challengers(status) else \
+                ",".join(challengers(status))
             value = prefix + str(status.get("canaryVersion") or named)
             if (meta.get("annotations") or {}).get(ALERT_ANNOTATION) == value:
                 continue

@@ -47,12 +47,13 @@ class Outcome:
 
 
 def firing_alert(mark: str | None, canary: str | None) -> str | None:
-    """The alert name of an ``alertname@startsAt@version`` mark that names ``canary`` (a mark
-    without a version names any canary). The webhook removes the mark when the alert resolves."""
+    """The alert name of an ``alertname@startsAt@versions`` mark that names ``canary`` (versions:
+    one, or an experiment's challengers joined by commas; a mark without them names any canary).
+    The webhook removes the mark when the alert resolves."""
     if not mark or not canary:
         return None
     parts = mark.split("@")
-    if len(parts) >= 3 and parts[-1] and parts[-1] != canary:
+    if len(parts) >= 3 and canary not in parts[-1].split(","):
         return None
     return parts[0]
 

@@ -239,9 +239,9 @@ def test_an_alert_naming_a_challenger_of_a_running_experiment_marks_it(
     assert md_writes(emu) == writes
     resp = post(webhook, payload(alert({"alertname": "ChallengerErrors", "model": "scorer", "version": "v2"})))
     assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"ChallengerErrors@{STARTS_AT}@v2"
-    # named by the object, not a version: the mark names none, so it stands for any challenger
+    # named by the object, not a version: the mark names every challenger
     resp = post(webhook, payload(alert({"alertname": "PodsDown", "namespace": "default", "name": "scorer"})))
-    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"PodsDown@{STARTS_AT}@"
+    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"PodsDown@{STARTS_AT}@v2"
 
 
 def test_the_namespaces_option_limits_model_and_version_lookups(

@@ -283,8 +283,9 @@ def test_an_alert_mark_names_a_challenger_or_any_of_them() -> None:
     st = running()
     assert _guarded(spec(), st) == ["v2", "v3"]
     assert [firing_alert("Slow@t0@v3", v) for v in _guarded(spec(), st)] == [None, "Slow"]
-    assert [firing_alert("Slow@t0@", v) for v in _guarded(spec(), st)] == ["Slow", "Slow"]  # named by object: any
+    assert [firing_alert("Slow@t0@v2,v3", v) for v in _guarded(spec(), st)] == ["Slow", "Slow"]  # by object: all
     assert firing_alert("Slow@t0@v1", "v2") is None
+    assert firing_alert("Slow@t0@v2,v3", "v9") is None  # found in review: a later canary is not rolled back by it
 
 
 def test_a_challenger_breaching_a_guard_on_a_real_runtime_aborts_the_experiment(model_dir: Any) -> None:
