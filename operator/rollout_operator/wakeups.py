@@ -167,9 +167,10 @@ class WakeUps:
         loop.run_in_executor(self.pool, relist)
 
     async def run(self, namespace: str, name: str, stopped: Any) -> None:
-        """The object's loop: reconcile, then sleep until woken, due, or stopped. Stopped, it returns
-        at once, even from a reconcile in progress (that goes on in its thread, or is dropped if it
-        had not started)."""
+        """The object's loop: reconcile, then sleep until woken, due, or stopped. Stopped by the
+        operator's exit, it returns at once, even from a reconcile in progress (that is cut at its
+        next request, or dropped if it had not started); stopped otherwise (a peering pause), after
+        the reconcile in progress."""
         if self.exiting:
             return
         key = (namespace, name)
@@ -188,7 +189,12 @@ class WakeUps:
                     return
                 await asyncio.wait([reconcile, stop], return_when=asyncio.FIRST_COMPLETED)
                 if not reconcile.done():
-                    reconcile.cancel()  # drops it if still queued; a running one goes on in its thread
+                    if not self.exiting:
+                        # a peering pause (or this daemon alone stopped): the running reconcile ends
+                        # first, so that a daemon resumed later never reconciles the object beside it
+                        await asyncio.wait([reconcile])
+                        return
+                    reconcile.cancel()  # drops it if still queued; a running one is cut at its next request
                     return
                 delay = reconcile.result()
                 if delay is False:

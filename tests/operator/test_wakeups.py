@@ -179,3 +179,42 @@ def test_a_relist_drops_what_was_deleted_unwatched_and_keeps_what_a_watch_added_
     cache.relist(_ListingKube([_pod("a", 5), _pod("d", 9)]), "Pod", None)  # type: ignore[arg-type]
     assert {p["metadata"]["name"]: p["metadata"]["resourceVersion"]
             for p in cache.pods("default", "scorer")} == {"a": "10", "d": "9"}
+
+
+def test_a_daemon_paused_mid_reconcile_returns_only_after_it_so_a_resumed_one_never_overlaps() -> None:
+    """Found in review: on a peering pause the loop returned at once while its reconcile went on
+    in its thread, and the daemon kopf starts again on resuming reconciled the object beside it."""
+    import time
+
+    import kopf
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def slow_once(namespace: str, name: str) -> None:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.4)  # children, then status
+        with lock:
+            running[0] -= 1
+
+    async def main() -> None:
+        wakeups = WakeUps(FakeReconciler(), post=lambda *_: None, workers=4)  # type: ignore[arg-type]
+        wakeups._once = slow_once  # type: ignore[method-assign]
+        first = Stop()
+        task = asyncio.create_task(wakeups.run("ns", "md", first))
+        await asyncio.sleep(0.1)
+        assert running[0] == 1  # the reconcile is running
+        first.reason = kopf.DaemonStoppingReason.OPERATOR_PAUSING  # type: ignore[attr-defined]
+        first.event.set()
+        await asyncio.wait_for(task, 5)
+        assert running[0] == 0 and not wakeups.exiting  # returned after it, and a pause is no exit
+        again = Stop()
+        resumed = asyncio.create_task(wakeups.run("ns", "md", again))
+        await asyncio.sleep(0.2)
+        again.event.set()
+        await asyncio.wait_for(resumed, 5)
+        wakeups.pool.shutdown(wait=True)
+        assert peak[0] == 1
+
+    asyncio.run(main())
