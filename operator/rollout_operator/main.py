@@ -88,7 +88,7 @@ for _group, _version, _plural in (("", "v1", "configmaps"), ("", "v1", "services
 
 
 @kopf.on.cleanup()
-def exiting(memo: kopf.Memo, **_: Any) -> None:
+async def exiting(memo: kopf.Memo, **_: Any) -> None:  # async: on the loop, whose Events exit() sets
     """The daemons' loops have seen the exit already (the first one stopped with OPERATOR_EXITING);
     this covers an exit with none running: no reconcile or API request after it."""
     memo.wakeups.exit()
