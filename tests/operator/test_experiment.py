@@ -148,10 +148,12 @@ def test_actions_are_ignored_during_an_experiment_saying_why() -> None:
     assert reasons(events) == ["ActionIgnored"] and "an experiment is running" in events[0].message
 
 
-def test_an_experiment_against_a_real_runtime_promotes_the_version_users_convert_more_with(model_dir: Any) -> None:
-    """The operator's own Reconciler (the demo's local ports) holds a 50/50 split on a real runtime
-    while simulated users post feedback; the sequential test finds v2 better and promotes it."""
-    from mnn_rollout.contract.config import load_config_file
+def ab_on_a_real_runtime(model_dir: Any, name: str, metrics: list[dict[str, Any]], failure_limit: int = 2,
+                         ) -> tuple[RolloutStatus, Any, Any]:
+    """A 50/50 A/B of v1 and v2 judged by ``metrics``, run by the operator's own Reconciler (the
+    demo's local ports) on a real runtime while simulated users convert 10% with v1 and 30% with
+    v2 and post feedback. Returns the final status, the rollout (events, history) and the users;
+    the config is applied (``wait_applied``) before the runtime stops."""
     from mnn_rollout.demo.ports import LocalRollout
     from mnn_rollout.local.outcomes import Conversions
     from mnn_rollout.local.process import LocalRuntime
@@ -160,12 +162,12 @@ def test_an_experiment_against_a_real_runtime_promotes_the_version_users_convert
     raw = {"model": "scorer", "stable": "v1",
            "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}],
            "experiment": {"weights": {"v1": 50, "v2": 50}, "metric": "conversion", "maxDuration": "40s"},
-           "strategy": {"analysis": {"interval": "1s", "metrics": [
-               {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.1}]}, "scaleDownDelaySeconds": 1},
+           "strategy": {"analysis": {"interval": "1s", "failureLimit": failure_limit, "metrics": metrics},
+                        "scaleDownDelaySeconds": 1},
            "progressDeadlineSeconds": 60}
-    rollout = LocalRollout(raw, model_dir / "ab.yaml", name="scorer", time_limit=50)
+    rollout = LocalRollout(raw, model_dir / f"{name}.yaml", name="scorer", time_limit=50)
     rollout.prepare()
-    runtime = LocalRuntime(model_dir / "ab.yaml", model_dir / "runtime.log")
+    runtime = LocalRuntime(model_dir / f"{name}.yaml", model_dir / "runtime.log")
     runtime.start()
     users = Conversions(runtime.url, "scorer", {"v1": 0.10, "v2": 0.30}).start()
     traffic = Traffic(runtime.url, "scorer", users=500, rate=150, connections=2, max_seconds=60,
@@ -177,6 +179,17 @@ def test_an_experiment_against_a_real_runtime_promotes_the_version_users_convert
         traffic.stop()
         users.stop()
         assert runtime.stop() == 0
+    return final, rollout, users
+
+
+CONVERSION = {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.1}
+
+
+def test_an_experiment_against_a_real_runtime_promotes_the_version_users_convert_more_with(model_dir: Any) -> None:
+    """A 50/50 split is held while undecided; the sequential test finds v2 better and promotes it."""
+    from mnn_rollout.contract.config import load_config_file
+
+    final, rollout, users = ab_on_a_real_runtime(model_dir, "ab", [CONVERSION])
     assert final.phase == Phase.SUCCEEDED and final.stable_version == "v2", final.message
     assert final.experiment is not None and (final.experiment["state"], final.experiment["winner"]) == ("Winner", "v2")
     evidence = final.experiment["comparisons"]["v2"]
@@ -292,31 +305,8 @@ def test_a_challenger_breaching_a_guard_on_a_real_runtime_aborts_the_experiment(
     """The guards are sampled by the same provider as the metric: a p99 bound no forward can meet
     (1 µs) fails the challenger at its first judged look (failureLimit 1), and stable takes all the
     traffic back, though users convert more with the challenger."""
-    from mnn_rollout.demo.ports import LocalRollout
-    from mnn_rollout.local.outcomes import Conversions
-    from mnn_rollout.local.process import LocalRuntime
-    from mnn_rollout.local.traffic import Traffic
-
-    raw = {"model": "scorer", "stable": "v1",
-           "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}],
-           "experiment": {"weights": {"v1": 50, "v2": 50}, "metric": "conversion", "maxDuration": "40s"},
-           "strategy": {"analysis": {"interval": "1s", "failureLimit": 1, "metrics": [
-               {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.1},
-               {"name": "latency-p99", "max": 0.000001}]}, "scaleDownDelaySeconds": 1},
-           "progressDeadlineSeconds": 60}
-    rollout = LocalRollout(raw, model_dir / "guarded.yaml", name="scorer", time_limit=50)
-    rollout.prepare()
-    runtime = LocalRuntime(model_dir / "guarded.yaml", model_dir / "runtime.log")
-    runtime.start()
-    users = Conversions(runtime.url, "scorer", {"v1": 0.10, "v2": 0.30}).start()
-    traffic = Traffic(runtime.url, "scorer", users=500, rate=150, connections=2, max_seconds=60,
-                      on_answer=users.answered).start()
-    try:
-        final = rollout.run(runtime.url)
-    finally:
-        traffic.stop()
-        users.stop()
-        assert runtime.stop() == 0
+    final, rollout, _ = ab_on_a_real_runtime(model_dir, "guarded", [CONVERSION, {"name": "latency-p99", "max": 0.000001}],
+                                             failure_limit=1)
     assert final.phase == Phase.ROLLED_BACK and final.stable_version == "v1", final.message
     assert final.weights == {"v1": 100, "v2": 0}
     assert final.experiment is not None and final.experiment["state"] == "Aborted"
