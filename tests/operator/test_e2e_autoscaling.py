@@ -8,7 +8,7 @@ the tests scale the Deployment the way it would (an Update of spec.replicas by a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes
@@ -18,7 +18,7 @@ from rollout_operator import children
 from rollout_operator.kube import FIELD_MANAGER, KubeClient
 from rollout_operator.ports import DELETED, HANDOVER_MANAGER, ClusterPorts
 from rollout_operator.spec import parse_spec
-from testbed.cluster import Cluster, wait_for
+from testbed.cluster import CRD, Cluster, wait_for
 from testbed.k8s.harness import EmulatorProcess
 from tests.operator.test_e2e_basic import ready_cluster
 
@@ -47,6 +47,27 @@ def replicas_owners(deployment: dict[str, Any]) -> set[str]:
 
 
 @pytest.fixture
+def k8s_emulator(k8s_emulator_factory: Callable[..., EmulatorProcess]) -> EmulatorProcess:
+    """With the CRD, so the children's owners can exist: the garbage collector deletes a child
+    whose owner is missing a moment after it is written, as a real one does."""
+    return k8s_emulator_factory(crds=[CRD])
+
+
+@pytest.fixture
+def owners(k8s_emulator: EmulatorProcess) -> dict[str, dict[str, Any]]:
+    """Two live ModelDeployments: ``scorer`` and ``other``."""
+    made = {}
+    for name in ("scorer", "other"):
+        code, body = k8s_emulator.request(
+            "POST", "/apis/mnnrollout.io/v1alpha1/namespaces/default/modeldeployments",
+            {"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment",
+             "metadata": {"name": name, "namespace": "default"}, "spec": {"versions": VERSIONS}})
+        assert code == 201, body
+        made[name] = dict(body)
+    return made
+
+
+@pytest.fixture
 def kube(k8s_emulator: EmulatorProcess) -> Iterator[KubeClient]:
     cfg = kubernetes.client.Configuration()
     kubernetes.config.load_kube_config(config_file=str(k8s_emulator.kubeconfig_path), client_configuration=cfg)
@@ -55,30 +76,31 @@ def kube(k8s_emulator: EmulatorProcess) -> Iterator[KubeClient]:
     client.close()
 
 
-def rendered(spec: dict[str, Any], uid: str = "u-1") -> dict[str, dict[str, Any]]:
+def rendered(spec: dict[str, Any], owner: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The children of a ModelDeployment ``scorer``; ``owner`` (a live object) owns them."""
     parsed = parse_spec({"versions": VERSIONS, **spec})
-    body = {"apiVersion": "mnnrollout.io/v1alpha1", "metadata": {"name": "scorer", "uid": uid}}
+    body = owner or {"apiVersion": "mnnrollout.io/v1alpha1", "metadata": {"name": "scorer", "uid": "u-1"}}
     target = children.Target("scorer", "default", children.owner_reference(body))
     config = children.runtime_config(parsed, "scorer", {"v1": 100}, "v1", ["v1"])
     return {o["kind"]: o for o in children.render_all(target, parsed, config)}
 
 
-def test_server_side_apply_drops_a_field_its_only_manager_stops_applying(k8s_emulator: EmulatorProcess,
+def test_server_side_apply_drops_a_field_its_only_manager_stops_applying(owners: dict[str, dict[str, Any]],
                                                                         kube: KubeClient) -> None:
     """Why the operator hands replicas over: left out of the next apply, a field only its manager
     owned is removed (a real API server then defaults a Deployment's replicas to 1)."""
-    deployment = rendered({"runtime": {"replicas": 3}})["Deployment"]
+    deployment = rendered({"runtime": {"replicas": 3}}, owners["scorer"])["Deployment"]
     assert kube.apply(deployment)["spec"]["replicas"] == 3
-    without = rendered({"runtime": {"replicas": 3, "autoscaling": IN_FLIGHT}})["Deployment"]
+    without = rendered({"runtime": {"replicas": 3, "autoscaling": IN_FLIGHT}}, owners["scorer"])["Deployment"]
     assert "replicas" not in kube.apply(without)["spec"]
 
 
-def test_switching_to_autoscaling_keeps_the_replicas_and_leaves_them_to_the_hpa(k8s_emulator: EmulatorProcess,
-                                                                                kube: KubeClient) -> None:
+def test_switching_to_autoscaling_keeps_the_replicas_and_leaves_them_to_the_hpa(
+        k8s_emulator: EmulatorProcess, owners: dict[str, dict[str, Any]], kube: KubeClient) -> None:
     ports = ClusterPorts(kube)
-    fixed = rendered({"runtime": {"replicas": 3}})
+    fixed = rendered({"runtime": {"replicas": 3}}, owners["scorer"])
     assert ports.write_children([fixed["Deployment"]]) == {"Deployment/scorer-runtime": "created"}
-    scaled = rendered({"runtime": {"replicas": 3, "autoscaling": IN_FLIGHT}})
+    scaled = rendered({"runtime": {"replicas": 3, "autoscaling": IN_FLIGHT}}, owners["scorer"])
     written = ports.write_children([scaled["Deployment"], scaled["HorizontalPodAutoscaler"]])
     assert written == {"Deployment/scorer-runtime": "updated", "HorizontalPodAutoscaler/scorer-runtime": "created"}
     live = kube.get("Deployment", "default", "scorer-runtime")
@@ -95,18 +117,20 @@ def test_switching_to_autoscaling_keeps_the_replicas_and_leaves_them_to_the_hpa(
     assert HPA_MANAGER not in replicas_owners(live)
 
 
-def test_only_an_hpa_this_model_deployment_owns_is_deleted(k8s_emulator: EmulatorProcess, kube: KubeClient) -> None:
+def test_only_an_hpa_this_model_deployment_owns_is_deleted(owners: dict[str, dict[str, Any]],
+                                                          kube: KubeClient) -> None:
     ports = ClusterPorts(kube)
     target = children.Target("scorer", "default")
     stubs = children.unrendered(target, parse_spec({"versions": VERSIONS}))
-    assert ports.delete_children(stubs, "u-1") == {}  # none there
+    uid = owners["scorer"]["metadata"]["uid"]
+    assert ports.delete_children(stubs, uid) == {}  # none there
     # one of the same name that another ModelDeployment (another uid) owns stays
-    kube.apply(rendered({"runtime": {"autoscaling": IN_FLIGHT}}, uid="someone-else")["HorizontalPodAutoscaler"])
-    assert ports.delete_children(stubs, "u-1") == {}
+    kube.apply(rendered({"runtime": {"autoscaling": IN_FLIGHT}}, owners["other"])["HorizontalPodAutoscaler"])
+    assert ports.delete_children(stubs, uid) == {}
     assert kube.get("HorizontalPodAutoscaler", "default", "scorer-runtime") is not None
     kube.delete("HorizontalPodAutoscaler", "default", "scorer-runtime")
-    kube.apply(rendered({"runtime": {"autoscaling": IN_FLIGHT}})["HorizontalPodAutoscaler"])
-    assert ports.delete_children(stubs, "u-1") == {"HorizontalPodAutoscaler/scorer-runtime": DELETED}
+    kube.apply(rendered({"runtime": {"autoscaling": IN_FLIGHT}}, owners["scorer"])["HorizontalPodAutoscaler"])
+    assert ports.delete_children(stubs, uid) == {"HorizontalPodAutoscaler/scorer-runtime": DELETED}
     assert kube.get("HorizontalPodAutoscaler", "default", "scorer-runtime") is None
 
 
