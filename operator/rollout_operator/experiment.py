@@ -113,15 +113,17 @@ def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, 
 
 
 def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis: Analysis | None, now: float,
-           events: list[Event]) -> RolloutStatus:
+           events: list[Event], pending: tuple[str, str] | None = None) -> RolloutStatus:
     """The experiment's next status: start it, give the split once every version is loaded, record
-    each look, and conclude (promote the winner, or keep stable)."""
+    each look, and conclude (promote the winner, or keep stable). ``pending``: the (reason,
+    message) of an abort decided but not recorded (a reconcile cut between its writes)."""
     from .rollout import Event, hold_unready
 
     exp = spec.experiment
     assert exp is not None and st.stable_version is not None
     stable, state = st.stable_version, dict(st.experiment or {})
     if state.get("key") != exp.key() or state.get("removed"):
+        pending = None  # decided for another experiment
         if stable not in exp.weights:
             return replace(st, phase=Phase.READY, message=f"experiment: stable {stable} is not one of "
                                                           f"experiment.weights ({', '.join(sorted(exp.weights))})")
@@ -137,6 +139,8 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
         return st  # concluded: what it decided keeps serving while the spec names it
     if world.alert:  # even while a challenger still loads
         return _abort(st, state, f"alert {world.alert} is firing", now, events)
+    if pending is not None:
+        return _abort(st, state, pending[1], now, events)
     weights = hold_unready(exp.weights, st.weights, stable, world)
     if weights != dict(exp.weights):
         waiting = sorted(v for v in exp.weights if not world.ready(v))

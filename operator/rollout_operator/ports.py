@@ -36,8 +36,9 @@ class Ports(Protocol):
     def runtime_replicas(self, target: children.Target) -> int | None:
         """The runtime Deployment's ``spec.replicas`` now (None: no Deployment yet)."""
 
-    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
-        """Replace the whole status of ``body`` (decided from its resourceVersion)."""
+    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> str | None:
+        """Replace the whole status of ``body`` (decided from its resourceVersion); returns the
+        object's new resourceVersion."""
 
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         """The runtime pods of ``target`` and what each has loaded."""
@@ -275,10 +276,11 @@ class ClusterPorts:
         replicas = (live.get("spec") or {}).get("replicas")
         return 1 if replicas is None else int(replicas)  # absent: the API server's default
 
-    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> str | None:
         # PUT, not a merge patch: a merge patch would keep map keys (weights) that were removed;
         # the body's resourceVersion makes a concurrent writer's change a 409, retried later.
-        self.kube.replace({**body, "status": status}, subresource="status")
+        stored = self.kube.replace({**body, "status": status}, subresource="status")
+        return (stored.get("metadata") or {}).get("resourceVersion")
 
     def published_table(self, target: children.Target) -> tuple[str, ...] | None:
         stub = {"kind": "ConfigMap", "metadata": {"namespace": target.namespace, "name": target.routing}}

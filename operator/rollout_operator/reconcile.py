@@ -6,6 +6,13 @@ run this same loop.
 Order matters: children (the routing ConfigMap above all) are written before the status that
 describes them, so status never claims weights that are not being served. Nothing is written
 when nothing changed.
+
+A rollback is the one decision that must survive the operator being cut between those two writes
+(a crash, an exit): decided again from the old status, it would find weights the routing no
+longer serves, too little canary traffic to judge, and put the canary's share back until it
+breached again. So the status first records the rollback as pending (condition
+``RollbackPending``, beside the weights still served), then the children are written, then the
+status that says it is done; a reconcile that finds the condition finishes that rollback.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from .observe import Observation
 from .ports import DELETED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
-from .status import Phase, RolloutStatus, condition, with_condition
+from .status import ROLLBACK_PENDING, Phase, RolloutStatus, condition, pending_rollback, with_condition
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +134,20 @@ class Reconciler:
                       last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert,
                       selector=children.selector_text(target))
 
+        first = not (body.get("status") or {}).get("observedGeneration")
+        if new.rolled_back_at is not None and new.rolled_back_at != status.rolled_back_at:
+            try:
+                body = self._record_pending_rollback(body, status, new, now)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                return Outcome(status, [], {}, False, None, conflict=True)  # nothing written yet: decide again
+
         shadow = (new.canary_version, new.shadow_percent) if new.canary_version and new.shadow_percent else None
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
                                          routed_versions(spec, new), self.ports.published_table(target), shadow)
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         written.update(self.ports.delete_children(children.unrendered(target, spec), children.owner_uid(target)))
-        first = not (body.get("status") or {}).get("observedGeneration")
         new = self._rejected(new, written, now)
         child_events = self._child_events(first, status, new, written)
         try:
@@ -237,6 +252,18 @@ class Reconciler:
                       f"({v.get('engineFallback')})")
                 for v in new.versions
                 if v.get("requestedBackend") and before.get(v.get("name")) != (v["requestedBackend"], v.get("backend"))]
+
+    def _record_pending_rollback(self, body: dict[str, Any], old: RolloutStatus, new: RolloutStatus,
+                                 now: float) -> dict[str, Any]:
+        """Store ``old`` (what the routing still serves) with the rollback ``new`` decided as
+        pending; returns ``body`` as stored. Already recorded (this finishes it): nothing to store."""
+        if pending_rollback(old) is not None:
+            return body
+        why = condition(new, "Progressing") or {}
+        intent = with_condition(old, ROLLBACK_PENDING, "True", str(why.get("reason") or "RolledBack"),
+                                str(why.get("message") or new.abort_reason or ""), now).to_dict()
+        version = self.ports.store_status(body, intent)
+        return {**body, "metadata": {**body["metadata"], "resourceVersion": version}, "status": intent}
 
     def _write_status(self, body: dict[str, Any], new: RolloutStatus) -> bool:
         """Write the whole status, only when it changed, and only over the version it was decided

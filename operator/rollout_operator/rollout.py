@@ -13,9 +13,10 @@ from typing import Any
 from . import comparisons, experiment
 from .verdicts import Analysis
 from .spec import ModelDeploymentSpec
-from .status import Phase, RolloutStatus, epoch, with_condition
+from .status import ROLLBACK_PENDING, Phase, RolloutStatus, epoch, pending_rollback, with_condition, without_condition
 
 ACTIONS = ("promote", "promote-full", "abort", "retry")
+DEADLINE = "ProgressDeadlineExceeded"  # the reason of a rollback to phase Failed
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,20 @@ def decide(
     """The next status and the events to emit. Weights and routed versions in the returned status
     are what the children must serve."""
     events: list[Event] = []
-    st = replace(_adopt_stable(spec, status), total_steps=len(spec.strategy.steps))
+    # A rollback decided by a reconcile that was cut before recording it (see reconcile.py): it
+    # is finished below if the rollout it was for still runs; the condition goes either way.
+    pending = pending_rollback(status)
+    st = replace(_adopt_stable(spec, without_condition(status, ROLLBACK_PENDING)), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
     outcome, why = _action_gate(spec, st, canary, world)
     if outcome != APPLIED:
         world = replace(world, action=None)  # pending or ignored: the machine does not see it
     if spec.experiment is not None:
-        st = experiment.decide(spec, st, world, analysis, now, events)
+        st = experiment.decide(spec, st, world, analysis, now, events, pending)
     elif canary is None:
         st = _no_canary(spec, experiment.removed(st, events), world, events, now)
     else:
-        st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events)
+        st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending)
     st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, now, events)
     st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
@@ -170,10 +174,13 @@ def file_of(spec: ModelDeploymentSpec, version: str) -> str:
 
 
 def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
-            analysis: Analysis | None, now: float, events: list[Event]) -> RolloutStatus:
+            analysis: Analysis | None, now: float, events: list[Event],
+            pending: tuple[str, str] | None = None) -> RolloutStatus:
     file = file_of(spec, canary)
     if st.canary_version == canary and st.canary_file is None:
         st = replace(st, canary_file=file)  # a status written before files were recorded: adopt
+    if not (st.canary_version == canary and st.canary_file == file and st.phase in (Phase.PROGRESSING, Phase.PAUSED)):
+        pending = None  # decided for another canary or file, or already done
     edited = st.canary_version == canary and st.canary_file != file
     if edited:
         # The analysis so far judged another file: never promote that evidence. Start again.
@@ -190,6 +197,10 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         st, analysis = _start(spec, st, canary, now, events, restarted=False, announce=False), None
     if world.alert:
         return _rollback(st, Phase.ROLLED_BACK, "AlertFiring", f"alert {world.alert} is firing", now, events)
+    if pending is not None:
+        reason, detail = pending
+        phase = Phase.FAILED if reason == DEADLINE else Phase.ROLLED_BACK
+        return _rollback(st, phase, reason, detail, now, events)
     if world.action == "abort":
         return _rollback(st, Phase.ROLLED_BACK, "ManualAbort", "aborted by a user", now, events)
     if world.action == "promote-full":
@@ -242,7 +253,7 @@ def _wait_for_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World,
     assert st.canary_version is not None
     why = world.reasons.get(st.canary_version, "not loaded yet")
     if now - (st.step_started_at or now) > spec.progress_deadline_seconds:
-        return _rollback(st, Phase.FAILED, "ProgressDeadlineExceeded",
+        return _rollback(st, Phase.FAILED, DEADLINE,
                          f"canary {st.canary_version} not ready within {spec.progress_deadline_seconds}s: {why}",
                          now, events)
     # Hold the weight it has (never raise it while it is not ready on every pod).
@@ -273,7 +284,7 @@ def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | 
         return replace(st, phase=Phase.PAUSED, message=f"{where}: waiting for promote")
     if waited > spec.progress_deadline_seconds:
         verdict = st.analysis.get("verdict", "no analysis yet")
-        return _rollback(st, Phase.FAILED, "ProgressDeadlineExceeded",
+        return _rollback(st, Phase.FAILED, DEADLINE,
                          f"step {st.step_text} held {int(waited)}s (last analysis: {verdict})", now, events)
     detail = "inconclusive: holding" if st.analysis.get("verdict") == "inconclusive" else "analysing"
     return replace(st, phase=Phase.PROGRESSING, message=f"{where}: {detail}")

@@ -168,3 +168,22 @@ def with_condition(st: RolloutStatus, type_: str, status: str, reason: str, mess
 
 def condition(st: RolloutStatus, type_: str) -> dict[str, Any] | None:
     return next((c for c in st.conditions if c.get("type") == type_), None)
+
+
+def without_condition(st: RolloutStatus, type_: str) -> RolloutStatus:
+    return replace(st, conditions=tuple(c for c in st.conditions if c.get("type") != type_))
+
+
+# Written before the children of a rollback, with the rollback's reason and message, and gone from
+# the status written after them: an operator cut between the two writes (a crash, an exit) leaves
+# it, and the next reconcile finishes that rollback instead of deciding again from weights the
+# routing no longer serves (see reconcile.py).
+ROLLBACK_PENDING = "RollbackPending"
+
+
+def pending_rollback(st: RolloutStatus) -> tuple[str, str] | None:
+    """(reason, message) of a rollback decided and not yet recorded as done, if any."""
+    cond = condition(st, ROLLBACK_PENDING)
+    if cond is None or cond.get("status") != "True":
+        return None
+    return str(cond.get("reason") or "RollbackPending"), str(cond.get("message") or "")

@@ -86,11 +86,12 @@ class LocalPorts:
     def runtime_replicas(self, target: children.Target) -> int | None:
         return 1  # the one runtime process
 
-    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> str | None:
         if body["metadata"].get("resourceVersion") != self.body["metadata"]["resourceVersion"]:
             raise RuntimeError("status decided from an old version of the object")  # never with one loop
         self.body["status"] = copy.deepcopy(status)
-        self.body["metadata"]["resourceVersion"] = str(next(self._versions))
+        self.body["metadata"]["resourceVersion"] = version = str(next(self._versions))
+        return version
 
     def published_table(self, target: children.Target) -> tuple[str, ...] | None:
         return children.published_owners(self.children.get(f"ConfigMap/{target.routing}"))

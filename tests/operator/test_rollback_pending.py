@@ -1,0 +1,202 @@
+"""A rollback survives the operator being cut between its two writes.
+
+The Reconciler writes the children (the routing) before the status that describes them. A
+rollback cut in between (a crash, the operator's exit) left the routing on stable while the status
+still said "step 1 at 20%"; the next operator decided again from that status, found too little
+canary traffic to judge, and gave the canary its share back until it breached again. Now the
+status records the rollback as pending first (condition RollbackPending), and the next reconcile
+finishes it. The operator's own Reconciler runs here on the demo's in-memory ports, with the
+children write cut once where a crash would cut it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mnn_rollout.contract.config import parse_config_text
+from mnn_rollout.demo.ports import LocalPorts
+from rollout_operator import children
+from rollout_operator.observe import Observation, PodView
+from rollout_operator.reconcile import Outcome, Reconciler
+from rollout_operator.spec import ModelDeploymentSpec
+from rollout_operator.status import ROLLBACK_PENDING, Phase, RolloutStatus, condition
+from rollout_operator.verdicts import FAIL, Analysis, MetricResult
+
+T0 = 1_800_000_000.0
+VERSIONS = [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}, {"name": "v3", "uri": "v3.mnn"}]
+ANALYSIS = {"interval": "1s", "failureLimit": 1, "minRequests": 10, "metrics": [{"name": "error-rate", "max": 0.05}]}
+CANARY = {"versions": VERSIONS[:2], "canary": "v2",
+          "strategy": {"steps": [{"weight": 20, "pause": "1h"}, {"weight": 50, "pause": "1h"}], "analysis": ANALYSIS}}
+EXPERIMENT = {"versions": VERSIONS, "stable": "v1", "experiment": {"weights": {"v1": 50, "v2": 25, "v3": 25},
+                                                                    "metric": "conversion", "maxDuration": "1h"},
+              "strategy": {"analysis": {**ANALYSIS, "metrics": [
+                  *ANALYSIS["metrics"], {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01}]}}}
+
+
+class Cut(Exception):
+    """Where a crash or the operator's exit would stop the reconcile."""
+
+
+class Ports(LocalPorts):
+    """The demo's in-memory ports, with every version loaded on one ready pod, and a children
+    write that can be cut once."""
+
+    def __init__(self, spec: dict[str, Any], config: Path) -> None:
+        super().__init__({"apiVersion": f"{children.GROUP}/v1alpha1", "kind": "ModelDeployment",
+                          "metadata": {"name": "scorer", "namespace": "ml", "uid": "u-1", "generation": 1,
+                                       "resourceVersion": "1"}, "spec": spec}, config)
+        self.cut_next_children_write = False
+        self.status_writes: list[dict[str, Any]] = []
+
+    def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
+        versions = {v["name"]: {"ready": True, "uri": v["uri"]} for v in VERSIONS}
+        return Observation([PodView("pod-a", "127.0.0.1", port, True, {"versions": versions})])
+
+    def write_children(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
+        if self.cut_next_children_write:
+            self.cut_next_children_write = False
+            raise Cut()
+        return super().write_children(objs)
+
+    def store_status(self, body: dict[str, Any], status: dict[str, Any]) -> str | None:
+        self.status_writes.append(status)
+        return super().store_status(body, status)
+
+    def served(self) -> dict[str, int]:
+        """The weights the routing ConfigMap gives the runtime now."""
+        return {k: v for k, v in parse_config_text(self.config_text).weights.items() if v}
+
+    def status(self) -> RolloutStatus:
+        return RolloutStatus.from_dict(self.body.get("status"))
+
+
+class Looks:
+    """The analyzer: None (nothing to judge) until a verdict is set, which is given once."""
+
+    def __init__(self) -> None:
+        self.next: Analysis | None = None
+        self.calls = 0
+
+    def __call__(self, spec: ModelDeploymentSpec, status: RolloutStatus, body: dict[str, Any], observation: Any,
+                 now: float) -> Analysis | None:
+        self.calls += 1
+        given, self.next = self.next, None
+        return None if given is None else replace(given, at=now)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def setup(tmp_path: Path, spec: dict[str, Any]) -> tuple[Ports, Reconciler, Looks]:
+    ports, looks = Ports(spec, tmp_path / "runtime.yaml"), Looks()
+    return ports, Reconciler(ports, analyzer=looks, clock=Clock()), looks
+
+
+def reconcile(ports: Ports, rec: Reconciler) -> Outcome:
+    outcome = rec.reconcile(ports.body)
+    assert outcome is not None
+    return outcome
+
+
+def failing(errors: float, breached: tuple[str, ...] | None = None) -> Analysis:
+    metric = MetricResult("error-rate", errors, "error rate <= 0.05", FAIL)
+    return Analysis(T0, FAIL, (metric,), 100, message=f"error-rate {errors} breached 0.05", breached=breached)
+
+
+def test_a_rollback_cut_before_its_routing_write_is_finished_by_the_next_reconcile(tmp_path: Path) -> None:
+    ports, rec, looks = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    assert ports.status().phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}
+
+    looks.next = failing(0.3)
+    ports.cut_next_children_write = True
+    with pytest.raises(Cut):  # the rollback is decided; the operator stops before the routing is written
+        reconcile(ports, rec)
+    assert looks.next is None  # the failing look was taken
+    cut = ports.status()
+    # the status says what the routing serves, and that a rollback is pending, with its reason
+    assert cut.phase == Phase.PROGRESSING and cut.weights == {"v1": 80, "v2": 20} == ports.served()
+    pending = condition(cut, ROLLBACK_PENDING)
+    assert pending is not None and pending["status"] == "True" and pending["reason"] == "AnalysisFailed"
+    assert "0.3" in pending["message"], pending
+
+    # the next operator: no look to judge (the canary had no traffic meanwhile), yet the rollback ends
+    calls = looks.calls
+    outcome = reconcile(ports, rec)
+    assert looks.calls == calls + 1  # it did look
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and done.weights == {"v1": 100, "v2": 0}
+    assert ports.served() == {"v1": 100}
+    assert done.abort_reason is not None and done.abort_reason.startswith("AnalysisFailed: ") and "0.3" in done.abort_reason
+    assert condition(done, ROLLBACK_PENDING) is None
+    assert "RolloutAborted" in [e.reason for e in outcome.events]
+    # and it stays rolled back
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+
+
+def test_an_uncut_rollback_records_the_pending_rollback_then_the_result(tmp_path: Path) -> None:
+    ports, rec, looks = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    before = len(ports.status_writes)
+    looks.next = failing(0.3)
+    reconcile(ports, rec)
+    intent, result = ports.status_writes[before:]
+    assert RolloutStatus.from_dict(intent).weights == {"v1": 80, "v2": 20}
+    assert condition(RolloutStatus.from_dict(intent), ROLLBACK_PENDING) is not None
+    assert RolloutStatus.from_dict(result).phase == Phase.ROLLED_BACK
+    assert condition(RolloutStatus.from_dict(result), ROLLBACK_PENDING) is None
+    assert ports.served() == {"v1": 100}
+
+
+def test_a_pending_rollback_for_a_canary_no_longer_named_is_dropped(tmp_path: Path) -> None:
+    ports, rec, looks = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    looks.next = failing(0.3)
+    ports.cut_next_children_write = True
+    with pytest.raises(Cut):
+        reconcile(ports, rec)
+    assert condition(ports.status(), ROLLBACK_PENDING) is not None
+    # meanwhile the user names another canary: that one starts; the old decision does not touch it
+    ports.body["spec"] = {**CANARY, "versions": VERSIONS, "canary": "v3"}
+    ports.body["metadata"]["generation"] = 2
+    outcome = reconcile(ports, rec)
+    now = ports.status()
+    assert now.phase == Phase.PROGRESSING and now.canary_version == "v3" and now.abort_reason is None
+    assert condition(now, ROLLBACK_PENDING) is None
+    assert "RolloutAborted" not in [e.reason for e in outcome.events]
+
+
+def test_an_experiment_aborted_and_cut_is_aborted_by_the_next_reconcile(tmp_path: Path) -> None:
+    ports, rec, looks = setup(tmp_path, EXPERIMENT)
+    for _ in range(2):
+        reconcile(ports, rec)
+    assert ports.served() == {"v1": 50, "v2": 25, "v3": 25}
+    looks.next = failing(0.3, breached=("v2",))
+    ports.cut_next_children_write = True
+    with pytest.raises(Cut):
+        reconcile(ports, rec)
+    assert looks.next is None
+    cut = ports.status()
+    assert cut.weights == {"v1": 50, "v2": 25, "v3": 25} == ports.served()
+    pending = condition(cut, ROLLBACK_PENDING)
+    assert pending is not None and pending["reason"] == "ExperimentAborted"
+    outcome = reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    assert (done.experiment or {}).get("state") == "Aborted" and done.abort_reason == pending["message"]
+    assert "ExperimentAborted" in [e.reason for e in outcome.events]
+    assert condition(done, ROLLBACK_PENDING) is None
