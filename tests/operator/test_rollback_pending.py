@@ -88,7 +88,9 @@ class Looks:
         return None if given is None else replace(given, at=now)
 
 
-class Clock:
+class Ticks:
+    """The reconciler's time: one second later at every reading."""
+
     def __init__(self) -> None:
         self.now = T0
 
@@ -99,7 +101,7 @@ class Clock:
 
 def setup(tmp_path: Path, spec: dict[str, Any]) -> tuple[Ports, Reconciler, Looks]:
     ports, looks = Ports(spec, tmp_path / "runtime.yaml"), Looks()
-    return ports, Reconciler(ports, analyzer=looks, clock=Clock()), looks
+    return ports, Reconciler(ports, analyzer=looks, clock=Ticks()), looks
 
 
 def reconcile(ports: Ports, rec: Reconciler) -> Outcome:
