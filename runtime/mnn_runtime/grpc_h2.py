@@ -11,6 +11,13 @@ GOAWAY (both ways; ``stop`` drains), CONTINUATION, padding, gzip/deflate request
 ``grpc-timeout`` (DEADLINE_EXCEEDED), message size limits checked from the length prefix (before the
 message is read), the metadata size limit. What it does not: TLS, server streaming or client
 streaming calls, server push, priorities (ignored, as RFC 9113 allows).
+
+Against a hostile peer (the port is on the network): resets of running calls have a budget (rapid
+reset), a header block a size, a count of CONTINUATION frames and a decoded size (decompression
+bombs), the request bytes held across a connection's streams a cap (``MAX_BUFFERED``), a frame
+begun must end within ``FRAME_TIMEOUT`` (slow loris), no control frame walks every open stream, and
+a peer that does not read what it is sent is not read from (``pause_writing``). The receive windows
+are not policed (a peer that overruns them is held by those caps instead).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ log = logging.getLogger(__name__)
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED = 0x0, 0x1, 0x2, 0x3, 0x5
 FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x6, 0x7, 0x8, 0x9, 0xB
 
 # gRPC status codes
@@ -43,6 +50,11 @@ CONNECTION_WINDOW = 1 << 24
 MAX_STREAMS = 1000  # concurrent calls per connection
 MAX_METADATA = 16384  # decoded request metadata, as HTTP/2 counts it (SETTINGS_MAX_HEADER_LIST_SIZE)
 MAX_HEADER_BLOCK = 1 << 18  # encoded header block across CONTINUATION frames: beyond, the peer is abusive
+MAX_HEADER_LIST = 4 * MAX_METADATA  # decoded header list: beyond, decoding stops (a decompression bomb)
+MAX_CONTINUATIONS = 32  # CONTINUATION frames of one header block (empty ones cost work, not bytes)
+MAX_BUFFERED = 64 << 20  # request bytes held across a connection's streams (at least twice the message limit)
+RESET_BURST, RESET_RATE = 1000, 100.0  # running calls a client may reset: at once, then per second
+FRAME_TIMEOUT = 30.0  # seconds to finish a frame (the preface, a header block) once begun
 
 _FRAME_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
@@ -99,7 +111,7 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.size = 0  # message bytes received (the 5-byte prefix included)
         self.expected = -1  # the message's length once its prefix arrived
-        self.send_window = send_window
+        self.send_window = send_window  # beyond the peer's initial window (which can change): may be < 0
         self.pending: bytearray | None = None  # DATA waiting for the peer's window
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -144,7 +156,7 @@ class H2Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.preface_seen = False
-        self.decoder = hpack.Decoder()
+        self.decoder = hpack.Decoder(max_list=MAX_HEADER_LIST)
         self.streams: dict[int, _Stream] = {}
         self.last_stream = 0
         self.send_window = 65535
@@ -157,6 +169,12 @@ class H2Connection(asyncio.Protocol):
         self.goaway_sent = False
         self.peer_goaway = False
         self.closed = False
+        self.buffered = 0  # request bytes held in the streams' chunks
+        self.resets, self.reset_clock = float(RESET_BURST), 0.0  # the client's budget of resets
+        self.consumed = 0  # bytes of frames read: progress, as the stall timer sees it
+        self.stall: asyncio.TimerHandle | None = None
+        self.waiting: dict[int, _Stream] = {}  # streams whose answer waits for the peer's window
+        self.most_window = 0  # at least every stream's send_window (that beyond the initial one)
 
     # -- transport -------------------------------------------------------------------------------
 
@@ -169,6 +187,7 @@ class H2Connection(asyncio.Protocol):
             except OSError:
                 pass
         self.server.connections.add(self)
+        self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, 0)  # the preface is due
         settings = struct.pack(">HIHIHIHI", 0x3, MAX_STREAMS, 0x4, STREAM_WINDOW, 0x5, MAX_FRAME,
                                0x6, MAX_METADATA)
         self._write(frame(SETTINGS, 0, 0, settings)
@@ -178,6 +197,9 @@ class H2Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
         self.server.connections.discard(self)
         for stream in list(self.streams.values()):
             self._cancel(stream)
@@ -247,6 +269,21 @@ class H2Connection(asyncio.Protocol):
             except hpack.HPACKError as exc:
                 self._connection_error(COMPRESSION_ERROR, str(exc))
         del buf[:pos]
+        self.consumed += pos
+        if (buf or self.continuing is not None) and self.stall is None and not self.closed:
+            self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, self.consumed)
+
+    def _stalled(self, consumed: int) -> None:
+        """A frame begun ``FRAME_TIMEOUT`` ago (or the preface, or a header block) is still not
+        complete: a slow-loris peer holding its buffer and its connection. Not a timeout of idle
+        connections: between frames, a client may wait as long as it likes."""
+        self.stall = None
+        if self.closed or (self.preface_seen and not self.buffer and self.continuing is None):
+            return
+        if self.consumed != consumed:  # frames went on meanwhile: time the one that is under way now
+            self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, self.consumed)
+            return
+        self._connection_error(PROTOCOL_ERROR, f"frame not complete after {FRAME_TIMEOUT:g} s")
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self.continuing is not None and kind != CONTINUATION:
@@ -274,6 +311,13 @@ class H2Connection(asyncio.Protocol):
             stream = self.streams.pop(stream_id, None)
             if stream is not None:
                 self._cancel(stream)
+                if not stream.answered:  # a call cancelled while it ran (CVE-2023-44487: rapid reset)
+                    now = self.loop.time()
+                    self.resets = min(RESET_BURST, self.resets + (now - self.reset_clock) * RESET_RATE) - 1
+                    self.reset_clock = now
+                    if self.resets < 0:
+                        self._connection_error(ENHANCE_YOUR_CALM, "too many calls reset")
+                        return
                 self._maybe_close()
         elif kind == GOAWAY:
             self.peer_goaway = True
@@ -290,15 +334,13 @@ class H2Connection(asyncio.Protocol):
             return
         if flags & ACK:
             return
-        for i in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, i)
-            if key == 0x4:  # INITIAL_WINDOW_SIZE: applies to every stream's send window
+        window = self.peer_initial_window
+        for key, value in struct.iter_unpack(">HI", payload):
+            if key == 0x4:  # INITIAL_WINDOW_SIZE: applies to every stream's send window (once, below)
                 if value > 0x7FFFFFFF:
                     self._connection_error(FLOW_CONTROL_ERROR, "window too large")
                     return
-                delta, self.peer_initial_window = value - self.peer_initial_window, value
-                for stream in self.streams.values():
-                    stream.send_window += delta
+                window = value
             elif key == 0x5:
                 if not 16384 <= value <= 16777215:
                     self._connection_error(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
@@ -307,6 +349,12 @@ class H2Connection(asyncio.Protocol):
             elif key == 0x2 and value > 1:
                 self._connection_error(PROTOCOL_ERROR, "bad ENABLE_PUSH")
                 return
+        if window + self.most_window > 0x7FFFFFFF:  # a stream's window may pass 2^31-1: look (seldom)
+            self.most_window = max((s.send_window for s in self.streams.values()), default=0)
+            if window + self.most_window > 0x7FFFFFFF:
+                self._connection_error(FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
+                return
+        self.peer_initial_window = window  # every stream's window moves with it: no walk of the streams
         self._write(frame(SETTINGS, ACK, 0))
         self._flush_all()
 
@@ -328,7 +376,14 @@ class H2Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is not None:
             stream.send_window += increment
-            if stream.pending:
+            self.most_window = max(self.most_window, stream.send_window)
+            if not increment or stream.send_window + self.peer_initial_window > 0x7FFFFFFF:  # RFC 9113 6.9, 6.9.1
+                self._write(frame(RST_STREAM, 0, stream_id,
+                                  struct.pack(">I", FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR)))
+                del self.streams[stream_id]
+                self._cancel(stream)
+                self._maybe_close()
+            elif stream.pending:
                 self._flush(stream)
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
@@ -343,6 +398,9 @@ class H2Connection(asyncio.Protocol):
         if start > end or not stream_id:
             self._connection_error(PROTOCOL_ERROR, "bad HEADERS")
             return
+        if end - start > MAX_HEADER_BLOCK:
+            self._connection_error(ENHANCE_YOUR_CALM, "header block too large")
+            return
         block = payload[start:end]
         if flags & END_HEADERS:
             self._header_block(stream_id, flags, block)
@@ -355,7 +413,7 @@ class H2Connection(asyncio.Protocol):
             return
         _, first_flags, fragments = self.continuing
         fragments.append(payload)
-        if sum(map(len, fragments)) > MAX_HEADER_BLOCK:
+        if len(fragments) > MAX_CONTINUATIONS or sum(map(len, fragments)) > MAX_HEADER_BLOCK:
             self._connection_error(ENHANCE_YOUR_CALM, "header block too large")
             return
         if flags & END_HEADERS:
@@ -369,6 +427,9 @@ class H2Connection(asyncio.Protocol):
             if not flags & END_STREAM:
                 self._connection_error(PROTOCOL_ERROR, "trailers without END_STREAM")
                 return
+            if stream.remote_closed:
+                self._connection_error(STREAM_CLOSED, f"HEADERS after END_STREAM on stream {stream_id}")
+                return
             self._end_of_request(stream)
             return
         if stream_id % 2 == 0 or stream_id <= self.last_stream:
@@ -381,7 +442,7 @@ class H2Connection(asyncio.Protocol):
         if len(self.streams) >= MAX_STREAMS:
             self._write(frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
             return
-        stream = _Stream(stream_id, self.peer_initial_window)
+        stream = _Stream(stream_id, 0)
         self.streams[stream_id] = stream
         self.server.calls += 1
         if flags & END_STREAM:
@@ -393,9 +454,10 @@ class H2Connection(asyncio.Protocol):
         else:
             pseudo, meta, size = _split(headers)
             stream.headers, stream.metadata = pseudo, dict(meta)
-            if len(self._prepared) >= 64:
-                self._prepared.clear()
-            self._prepared[block] = (headers, pseudo, meta, size)
+            if len(block) <= 256:  # what the decoder caches (larger blocks would only be held)
+                if len(self._prepared) >= 64:
+                    self._prepared.clear()
+                self._prepared[block] = (headers, pseudo, meta, size)
         pseudo, meta = stream.headers, stream.metadata
         path = pseudo.get(":path", "")
         if size > MAX_METADATA:
@@ -455,6 +517,10 @@ class H2Connection(asyncio.Protocol):
         if not stream.answered and payload:
             stream.chunks.append(payload)
             stream.size += len(payload)
+            self.buffered += len(payload)
+            if self.buffered > MAX_BUFFERED and self.buffered > 2 * self.server.max_message():
+                self._answer_error(stream, RESOURCE_EXHAUSTED, "too many request bytes held on this connection")
+                return
             if stream.expected < 0 and stream.size >= 5:
                 self._prefix(stream)
             if 0 <= stream.expected < stream.size - 5 and not stream.answered:
@@ -488,6 +554,7 @@ class H2Connection(asyncio.Protocol):
             return
         data = stream.chunks[0] if len(stream.chunks) == 1 else b"".join(stream.chunks)
         stream.chunks = []
+        self.buffered -= stream.size
         compressed = data[0]
         message = data[5:]
         if compressed:
@@ -544,7 +611,7 @@ class H2Connection(asyncio.Protocol):
         n = len(reply)
         body = struct.pack(">BI", 0, n) + reply
         sid = stream.id
-        if n + 5 <= min(self.send_window, stream.send_window, self.peer_max_frame):
+        if n + 5 <= min(self.send_window, stream.send_window + self.peer_initial_window, self.peer_max_frame):
             self.send_window -= n + 5
             stream.send_window -= n + 5
             self._write(frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS) + frame(DATA, 0, sid, body)
@@ -554,6 +621,7 @@ class H2Connection(asyncio.Protocol):
         self._write(frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS))
         stream.pending = bytearray(body)
         stream.trailers = trailer_block
+        self.waiting[sid] = stream
         self._flush(stream)
 
     def _answer_error(self, stream: _Stream, code: int, message: str,
@@ -579,7 +647,7 @@ class H2Connection(asyncio.Protocol):
             return
         out = []
         while pending:
-            n = min(len(pending), self.send_window, stream.send_window, self.peer_max_frame)
+            n = min(len(pending), self.send_window, stream.send_window + self.peer_initial_window, self.peer_max_frame)
             if n <= 0:
                 break
             out.append(frame(DATA, 0, stream.id, bytes(pending[:n])))
@@ -589,12 +657,13 @@ class H2Connection(asyncio.Protocol):
         if not pending:
             out.append(frame(HEADERS, END_STREAM | END_HEADERS, stream.id, stream.trailers))
             stream.pending = None
+            self.waiting.pop(stream.id, None)
         self._write(b"".join(out))
         if stream.pending is None:
             self._done(stream)
 
     def _flush_all(self) -> None:
-        for stream in [s for s in self.streams.values() if s.pending]:
+        for stream in list(self.waiting.values()):
             if self.send_window <= 0:
                 return
             self._flush(stream)
@@ -608,6 +677,9 @@ class H2Connection(asyncio.Protocol):
     def _forget(self, stream: _Stream) -> None:
         if self.streams.get(stream.id) is stream:
             del self.streams[stream.id]
+        if stream.chunks:  # a request that never reached its handler
+            self.buffered -= stream.size
+            stream.chunks = []
         self._maybe_close()
 
     def _maybe_close(self) -> None:
@@ -624,6 +696,11 @@ class H2Connection(asyncio.Protocol):
 
     def _cancel(self, stream: _Stream) -> None:
         self._stop_timer(stream)
+        if stream.pending is not None:
+            self.waiting.pop(stream.id, None)
+        if stream.chunks:
+            self.buffered -= stream.size
+            stream.chunks = []
         if stream.task is not None:
             stream.task.cancel()
             stream.task = None

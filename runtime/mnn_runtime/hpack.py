@@ -134,12 +134,13 @@ class Decoder:
     """One connection's decoding context (its dynamic table); ``max_size`` is the table size this
     end announced (SETTINGS_HEADER_TABLE_SIZE)."""
 
-    def __init__(self, max_size: int = 4096, max_strings: int = 16384) -> None:
+    def __init__(self, max_size: int = 4096, max_strings: int = 16384, max_list: int = 1 << 16) -> None:
         self.max_size = max_size
         self.size_limit = max_size  # as last set by the peer's size update
         self.table: list[tuple[str, str]] = []  # newest first
         self.size = 0
         self.max_strings = max_strings  # one string's longest length (a bound on memory, not on the peer)
+        self.max_list = max_list  # the decoded list's largest size (as SETTINGS_MAX_HEADER_LIST_SIZE counts)
         self._generation = 0  # bumped on every change of the dynamic table
         self._cache: dict[bytes, tuple[int, list[tuple[str, str]]]] = {}
 
@@ -176,9 +177,10 @@ class Decoder:
         text = _decoded.get(raw)  # user keys and timeouts repeat: decode each once
         if text is None:
             text = huffman_decode(raw).decode("latin-1")
-            if len(_decoded) >= 4096:
-                _decoded.clear()
-            _decoded[raw] = text
+            if length <= 128:  # short ones only: the cache outlives the connection
+                if len(_decoded) >= 4096:
+                    _decoded.clear()
+                _decoded[raw] = text
         return text, end
 
     def _add(self, name: str, value: str) -> None:
@@ -196,11 +198,13 @@ class Decoder:
     def _decode(self, block: bytes) -> list[tuple[str, str]]:
         headers: list[tuple[str, str]] = []
         pos, end, first = 0, len(block), True
+        room = self.max_list  # left of the list limit: one indexed byte can name a 4 KB entry
         while pos < end:
             byte = block[pos]
             if byte & 0x80:  # indexed field
                 index, pos = _integer(block, pos, 7)
-                headers.append(self._entry(index))
+                name, value = field = self._entry(index)
+                headers.append(field)
             elif byte & 0x40:  # literal with incremental indexing
                 name, value, pos = self._literal(block, pos, 6)
                 headers.append((name, value))
@@ -219,6 +223,9 @@ class Decoder:
                 name, value, pos = self._literal(block, pos, 4)
                 headers.append((name, value))
             first = False
+            room -= len(name) + len(value) + 32
+            if room < 0:
+                raise HPACKError(f"header list over {self.max_list} bytes")
         return headers
 
     def _literal(self, block: bytes, pos: int, prefix: int) -> tuple[str, str, int]:
