@@ -22,6 +22,7 @@ import yaml
 
 from mnn_rollout.contract.config import (CONFIG_KEY, DOWNLOAD_MAX_BYTES_ENV, DOWNLOAD_TIMEOUT_ENV,
                                          DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, MODEL_CACHE_ENV,
+                                         MODEL_CACHE_PRUNE_ENV,
                                          YAML_LOADER, RuntimeConfig, dump_config)
 from mnn_rollout.contract.routing import RoutingTable, decode
 
@@ -302,6 +303,8 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            # the download cache is the pod's own emptyDir, which lives through every rollout
+            {"name": MODEL_CACHE_PRUNE_ENV, "value": "true"},
         ],
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"},

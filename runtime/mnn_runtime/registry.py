@@ -21,7 +21,7 @@ from .errors import VersionNotFound, VersionNotReady
 from . import engine
 from .metrics import RuntimeMetrics, resident_bytes
 from .model import LoadedModel, ModelLoadError
-from .sources import local_file
+from .sources import local_file, prune
 from mnn_rollout.contract.routing import RoutingTable
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class Registry:
         """Make ``config`` current: load new or changed versions first, then swap."""
         with self._apply_lock:
             self.snapshot = self._build(config, self.snapshot.versions)
+            if self.load_new:  # the process that downloads: the cache keeps what this config uses
+                prune([*config.versions, *(v.spec for v in self.snapshot.versions.values())])
             return self.snapshot
 
     def offload(self, names: Iterable[str], reason: str, wait: bool = True) -> list[str]:

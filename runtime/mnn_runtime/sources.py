@@ -15,6 +15,10 @@ into a cache directory before they are loaded, and checked against the version's
   the others keep serving, a serving version keeps its file.
 - Only the process that loads downloads: the workers of ``serve --workers N`` find the file in the
   cache (the supervisor put it there before forking them) and never fetch it themselves.
+- Pruned when the cache is the runtime's own (``MNN_ROLLOUT_MODEL_CACHE_PRUNE=true``, set in the
+  pods, whose cache is an emptyDir that lives through every rollout): after each config is
+  applied, the cached files that no version of it names, nor any file still serving, are removed,
+  so the pod's disk holds the live versions, not every version it ever served.
 
 HTTPS goes through httpx (already a dependency). S3 through obstore (the Rust ``object_store``
 crate of Apache Arrow behind a small Python API): any S3-compatible endpoint, the standard AWS
@@ -31,7 +35,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +43,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from mnn_rollout.contract.config import (DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_BYTES_ENV, DOWNLOAD_TIMEOUT_ENV,
-                                         DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV, VersionSpec, is_loopback_host)
+                                         DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, VersionSpec,
+                                         is_loopback_host)
 from .model import ModelLoadError, file_sha256
 
 if TYPE_CHECKING:
@@ -62,12 +67,14 @@ class SourceSettings:
     cache_dir: Path  # one file per remote URI and digest (see cache_path)
     timeout: float = DOWNLOAD_TIMEOUT_SECONDS  # seconds one download may take, first byte asked to last
     max_bytes: int = DOWNLOAD_MAX_BYTES  # largest file accepted
+    prune: bool = False  # the cache is this runtime's own: remove files no version names (see prune)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> SourceSettings:
         cache = env.get(MODEL_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "mnn-rollout-models")
         return cls(Path(cache), _positive(env, DOWNLOAD_TIMEOUT_ENV, float, DOWNLOAD_TIMEOUT_SECONDS),
-                   int(_positive(env, DOWNLOAD_MAX_BYTES_ENV, int, DOWNLOAD_MAX_BYTES)))
+                   int(_positive(env, DOWNLOAD_MAX_BYTES_ENV, int, DOWNLOAD_MAX_BYTES)),
+                   env.get(MODEL_CACHE_PRUNE_ENV, "").lower() in ("1", "true", "yes"))
 
 
 def _positive(env: Mapping[str, str], name: str, kind: type[float] | type[int], default: float) -> float:
@@ -115,6 +122,41 @@ def local_file(spec: VersionSpec, base_dir: Path | None, download: bool = True,
 def cache_path(spec: VersionSpec, settings: SourceSettings) -> Path:
     """Where the cache keeps the file of a remote ``spec``."""
     return settings.cache_dir / f"{spec.sha256}-{hashlib.sha256(spec.uri.encode()).hexdigest()[:16]}.mnn"
+
+
+CACHE_ENTRY = re.compile(r"^[0-9a-f]{64}-[0-9a-f]{16}\.mnn$")  # cache_path's names; nothing else is touched
+
+
+def prune(keep: Iterable[VersionSpec], settings: SourceSettings | None = None) -> list[Path]:
+    """With ``settings.prune``: remove the cached files of versions not in ``keep``; returns them.
+    Only complete entries (cache_path's names) are removed: never a download in progress, never
+    a file of anyone else. Failures are logged, never raised (the next config tries again)."""
+    settings = settings or SourceSettings.from_env()
+    if not settings.prune:
+        return []
+    wanted = {cache_path(spec, settings).name for spec in keep if spec.remote}
+    removed = []
+    try:
+        entries = list(settings.cache_dir.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("model cache %s not pruned: %s", settings.cache_dir, exc.strerror)
+        return []
+    for entry in entries:
+        if entry.name in wanted or not CACHE_ENTRY.match(entry.name):
+            continue
+        try:
+            entry.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cached model file %s not removed: %s", entry, exc.strerror)
+            continue
+        removed.append(entry)
+    if removed:
+        log.info("model cache: removed %s (no version names them)", ", ".join(p.name for p in removed))
+    return removed
 
 
 def fetch(uri: str, sha256: str, target: Path, settings: SourceSettings) -> int:

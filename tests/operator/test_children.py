@@ -319,11 +319,13 @@ def test_an_s3_model_source_gives_the_pods_the_secrets_keys_the_endpoint_and_a_d
                                                                                4 * 1024**3)
 
 
-def test_without_a_model_source_the_pods_are_rendered_as_before() -> None:
+def test_without_a_model_source_the_pods_get_no_source_settings() -> None:
     plain = {"versions": S3_SPEC["versions"]}
     dep = _deployment(plain)
     container = dep["spec"]["template"]["spec"]["containers"][0]
-    assert [e["name"] for e in container["env"]] == ["POD_NAMESPACE", "POD_NAME"]
+    # the download cache, wherever it is, is the pod's own: the runtime prunes it
+    assert {e["name"]: e.get("value") for e in container["env"][2:]} == {"MNN_ROLLOUT_MODEL_CACHE_PRUNE": "true"}
+    assert [e["name"] for e in container["env"][:2]] == ["POD_NAMESPACE", "POD_NAME"]
     assert [m["name"] for m in container["volumeMounts"]] == ["tmp"]
     assert [v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
     # (an https:// version without modelSource downloads into the runtime's /tmp emptyDir)

@@ -23,7 +23,7 @@ import yaml
 
 from mnn_rollout.contract.config import VersionSpec
 from mnn_rollout.local.net import free_port, wait_for, write_atomic
-from mnn_runtime.sources import SourceError, SourceSettings, cache_path, local_file, secure
+from mnn_runtime.sources import SourceError, SourceSettings, cache_path, local_file, prune, secure
 from rollout_operator.observe import Observation, PodView
 from tests.runtime_server import RuntimeServer
 
@@ -175,10 +175,27 @@ def test_a_worker_never_downloads(files: ModelFiles, tmp_path: Path) -> None:
     assert files.requests["/v1.mnn"] == 0
 
 
+def test_a_pruned_cache_keeps_the_files_named_and_only_removes_its_own_entries(files: ModelFiles,
+                                                                              tmp_path: Path) -> None:
+    specs = [VersionSpec(name=v, uri=files.url(f"/{v}.mnn"), sha256=sha(files.files[f"/{v}.mnn"])) for v in ("v1", "v2")]
+    shared = settings(tmp_path)
+    paths = [local_file(spec, None, settings=shared) for spec in specs]
+    others = [shared.cache_dir / name for name in (".0123456789abcdef-x.part", "notes.txt", "a" * 64 + ".mnn")]
+    for other in others:
+        other.write_bytes(b"not ours")
+    assert prune(specs[:1], shared) == []  # not the runtime's own cache: nothing is removed
+    assert all(p.is_file() for p in [*paths, *others])
+    own = SourceSettings(shared.cache_dir, prune=True)
+    assert prune(specs[:1], own) == [paths[1]]
+    assert paths[0].is_file() and not paths[1].exists() and all(p.is_file() for p in others)
+    assert prune([], SourceSettings(tmp_path / "never-made", prune=True)) == []
+
+
 def test_the_settings_come_from_the_environment_with_bounded_defaults(tmp_path: Path) -> None:
     defaults = SourceSettings.from_env({})
     assert defaults.cache_dir.name == "mnn-rollout-models" and defaults.timeout == 600
-    assert defaults.max_bytes == 4 * 1024**3
+    assert defaults.max_bytes == 4 * 1024**3 and not defaults.prune
+    assert SourceSettings.from_env({"MNN_ROLLOUT_MODEL_CACHE_PRUNE": "true"}).prune
     given = SourceSettings.from_env({"MNN_ROLLOUT_MODEL_CACHE": str(tmp_path), "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS": "30",
                                      "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES": "-5"})
     assert (given.cache_dir, given.timeout, given.max_bytes) == (tmp_path, 30, 4 * 1024**3)  # a bad bound: the default
@@ -250,6 +267,30 @@ def test_a_cached_file_is_not_downloaded_again_on_a_reload_or_a_restart(
     assert served_by(second.url) == {"v1", "v2"}
     assert files.requests == Counter({"/v1.mnn": 1, "/v2.mnn": 1})
     assert "using the cached" in second.log()
+
+
+def test_a_runtime_that_owns_its_cache_keeps_only_the_files_its_config_uses(
+        files: ModelFiles, tmp_path: Path, start_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a pod does (its cache is an emptyDir living through every rollout): a version removed
+    from the config leaves the disk; a file still serving stays, even when a new one failed."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MNN_ROLLOUT_MODEL_CACHE", str(cache))
+    monkeypatch.setenv("MNN_ROLLOUT_MODEL_CACHE_PRUNE", "true")
+    v1 = {"name": "v1", "uri": files.url("/v1.mnn"), "sha256": sha(files.files["/v1.mnn"])}
+    v2 = {"name": "v2", "uri": files.url("/v2.mnn"), "sha256": sha(files.files["/v2.mnn"])}
+    write(tmp_path / "runtime.yaml", {"model": "scorer", "versions": [v1, v2], "weights": {"v1": 50, "v2": 50}})
+    server: RuntimeServer = start_server(tmp_path / "runtime.yaml")
+    names = {v["name"]: cache_path(VersionSpec(**v), SourceSettings(cache)).name for v in (v1, v2)}
+    assert {p.name for p in cache.iterdir()} == set(names.values())
+    write(tmp_path / "runtime.yaml", {"model": "scorer", "versions": [v1]})
+    wait_for(lambda: "v2" not in status(server.url)["versions"], 20, "v2 removed")
+    wait_for(lambda: {p.name for p in cache.iterdir()} == {names["v1"]}, 10, "v2's file removed")
+    # a new file for v1 that cannot be had: v1 keeps serving its file, and its file stays
+    bad = {**v1, "uri": files.url("/gone/v1.mnn"), "sha256": "1" * 64}
+    write(tmp_path / "runtime.yaml", {"model": "scorer", "versions": [bad]})
+    wait_for(lambda: "still serving" in (status(server.url)["versions"]["v1"]["reason"] or ""), 20, "v1 kept")
+    assert served_by(server.url) == {"v1"} and {p.name for p in cache.iterdir()} == {names["v1"]}
+    assert "model cache: removed " + names["v2"] in server.log()
 
 
 def test_with_two_workers_the_supervisor_downloads_each_file_once(

@@ -40,6 +40,10 @@ REMOTE_SCHEMES = ("https", "http", "s3")  # http only to a loopback address: see
 MAX_URI_LENGTH = 2048
 S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 MODEL_CACHE_ENV = "MNN_ROLLOUT_MODEL_CACHE"  # the cache directory (default: <tmp>/mnn-rollout-models)
+# "true": the cache is this runtime's own (a pod's emptyDir), so after each config it applies the
+# runtime removes the files no version of it names. Off by default: a directory shared by several
+# runtimes on one machine must keep the others' files.
+MODEL_CACHE_PRUNE_ENV = "MNN_ROLLOUT_MODEL_CACHE_PRUNE"
 DOWNLOAD_TIMEOUT_ENV = "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS"  # longest one download may take
 DOWNLOAD_MAX_BYTES_ENV = "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES"  # largest file accepted
 DOWNLOAD_TIMEOUT_SECONDS = 600
