@@ -78,6 +78,7 @@ class Pod:
         self.created_mono = 0.0
         self.start_time = now_iso()
         self.log_path = workdir / f'{name}.log'
+        self.volumes_dir = workdir / f'{name}.volumes'
         spec = template.get('spec') or {}
         self.containers = [Container(self, c, i, timing) for i, c in enumerate(spec.get('containers') or [])]
         self.port = next((int(p['containerPort']) for c in spec.get('containers') or []
@@ -88,6 +89,19 @@ class Pod:
         self.ready_since = 0.0
         self.last_status: dict[str, Any] | None = None
         self.transitions: dict[str, tuple[str, str]] = {}
+
+    def tmp_env(self, container: dict[str, Any]) -> dict[str, str]:
+        """An emptyDir the container mounts at /tmp is the pod's own directory (kept across the
+        container's restarts, as an emptyDir lives as long as the pod): its processes get it as
+        TMPDIR. The stand-in mounts nothing else; every other path is the host's."""
+        empty = {v.get('name') for v in (self.template.get('spec') or {}).get('volumes') or []
+                 if isinstance(v, dict) and 'emptyDir' in v}
+        for mount in container.get('volumeMounts') or []:
+            if mount.get('mountPath') == '/tmp' and mount.get('name') in empty:
+                path = self.volumes_dir / str(mount['name'])
+                path.mkdir(parents=True, exist_ok=True)
+                return {'TMPDIR': str(path)}
+        return {}
 
     @property
     def all_ports(self) -> list[int]:

@@ -58,12 +58,14 @@ def deployment(replicas: int = 2, configmap: str = 'scorer-routing', **spec: Any
         'readinessProbe': {'httpGet': {'path': '/v2/health/ready', 'port': 'http'}, 'periodSeconds': 2},
         'livenessProbe': {'httpGet': {'path': '/v2/health/live', 'port': 8080}, 'failureThreshold': 3},
         'resources': {'limits': {'cpu': '1', 'memory': '512Mi'}},
+        'volumeMounts': [{'name': 'tmp', 'mountPath': '/tmp'}],
     }
     labels = {'app.kubernetes.io/name': 'scorer'}
+    pod = {'containers': [container], 'volumes': [{'name': 'tmp', 'emptyDir': {}}]}
     return {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'metadata': {'name': DEPLOYMENT, 'labels': labels},
             'spec': {'replicas': replicas, 'selector': {'matchLabels': labels},
                      'strategy': {'type': 'RollingUpdate', 'rollingUpdate': {'maxSurge': 1, 'maxUnavailable': 0}},
-                     'template': {'metadata': {'labels': labels}, 'spec': {'containers': [container]}}, **spec}}
+                     'template': {'metadata': {'labels': labels}, 'spec': pod}, **spec}}
 
 
 def ok(result: tuple[int, Any], *codes: int) -> Any:
@@ -119,6 +121,7 @@ def test_a_deployment_runs_as_processes_on_distinct_loopback_ips_with_ready_pod_
     objects = {p['metadata']['name']: p for p in api_pods(emu)}
     assert set(objects) == {p.name for p in pods}
     thash = kubelet.template_hash(DEPLOYMENT, NS)
+    tmp_dirs = set()
     for info in pods:
         obj = objects[info.name]
         assert obj['status']['podIP'] == info.ip and obj['status']['phase'] == 'Running' and is_ready(obj)
@@ -129,7 +132,13 @@ def test_a_deployment_runs_as_processes_on_distinct_loopback_ips_with_ready_pod_
         assert obj['status']['containerStatuses'][0]['ready'] is True
         assert infer(http, info.ip, 'alice')[0] == 200
         assert http.get(f'http://{info.ip}:8080/v2/health/ready').status_code == 200
-        assert f'POD_IP={info.ip}' in Path(f'/proc/{info.pid}/environ').read_bytes().decode().replace('\0', '\n')
+        environ = dict(line.split('=', 1) for line in Path(f'/proc/{info.pid}/environ').read_bytes().decode()
+                       .split('\0') if '=' in line)
+        assert environ['POD_IP'] == info.ip
+        # the emptyDir at /tmp: the pod's own directory, as TMPDIR
+        assert Path(environ['TMPDIR']).is_dir() and environ['TMPDIR'].endswith(f'{info.name}.volumes/tmp')
+        tmp_dirs.add(environ['TMPDIR'])
+    assert len(tmp_dirs) == 2
     status = ok(emu.request('GET', f'{DEPLOYMENTS}/{DEPLOYMENT}'))['status']
     assert (status['readyReplicas'], status['availableReplicas'], status['updatedReplicas']) == (2, 2, 2)
     assert status['observedGeneration'] == 1
