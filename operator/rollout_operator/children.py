@@ -20,10 +20,9 @@ from typing import Any
 
 import yaml
 
-from mnn_rollout.contract.config import (CONFIG_KEY, DOWNLOAD_MAX_BYTES_ENV, DOWNLOAD_TIMEOUT_ENV,
-                                         DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, MODEL_CACHE_ENV,
-                                         MODEL_CACHE_PRUNE_ENV,
-                                         YAML_LOADER, RuntimeConfig, dump_config)
+from mnn_rollout.contract.config import (CONFIG_KEY, DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES_ENV,
+                                         DOWNLOAD_TIMEOUT_ENV, DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS,
+                                         MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, YAML_LOADER, RuntimeConfig, dump_config)
 from mnn_rollout.contract.routing import RoutingTable, decode
 
 from .spec import (DEFAULT_IMAGE, MODEL_CACHE_DIR, MODEL_CACHE_VOLUME, AutoscalingSpec, ModelDeploymentSpec,
@@ -245,6 +244,18 @@ def workers_arg(workers: int | None, resources: Mapping[str, Any], threads: int 
     return "auto"
 
 
+def download_cache_is_the_pods(spec: ModelDeploymentSpec) -> bool:
+    """Whether the runtime's model download cache is an emptyDir of the pod's own (its /tmp, or
+    with ``modelSource`` the cache volume), not a volume of ``runtime.volumeMounts`` that other pods
+    may share: only then may the runtime remove files its config no longer names."""
+    own = [MODEL_CACHE_DIR] if spec.model_source is not None else ["/tmp"]
+    path = own[0] if spec.model_source is not None else f"/tmp/{DEFAULT_MODEL_CACHE}"
+    holders = [m.rstrip("/") for m in [*own, *(str(m.get("mountPath", "")) for m in spec.runtime.volume_mounts)]
+               if m.strip("/")]
+    holding = [m for m in holders if path == m or path.startswith(m + "/")]
+    return max(holding, key=len) in own
+
+
 def cache_mounts(spec: ModelDeploymentSpec) -> list[tuple[str, str]]:
     """(volume name, path) of an emptyDir for each distinct ``versions[].engine.cacheDir`` that no
     mount holds already (the runtime's /tmp, the user's ``runtime.volumeMounts`` or another cache
@@ -303,8 +314,6 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "env": [
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            # the download cache is the pod's own emptyDir, which lives through every rollout
-            {"name": MODEL_CACHE_PRUNE_ENV, "value": "true"},
         ],
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"},
@@ -343,6 +352,8 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         "volumes": [{"name": "tmp", "emptyDir": {}}, *rt.volumes,
                     *({"name": name, "emptyDir": {}} for name, _ in cache_mounts(spec))],
     }
+    if download_cache_is_the_pods(spec):  # an emptyDir living through every rollout: the runtime prunes it
+        container["env"].append({"name": MODEL_CACHE_PRUNE_ENV, "value": "true"})
     if spec.model_source is not None:  # remote versions: an emptyDir to download into, the S3 settings
         container["env"] += model_source_env(spec.model_source)
         container["volumeMounts"].append({"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR})

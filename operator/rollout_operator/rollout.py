@@ -55,9 +55,14 @@ def decide(
     # A rollback decided by a reconcile that was cut before recording it (see reconcile.py): it
     # is finished below if the rollout it was for still runs; the condition goes either way.
     pending = pending_rollback(status)
+    if status.phase == Phase.INVALID_SPEC:  # valid again: resume from the phase it had
+        status = replace(status, phase=status.phase_before_invalid or Phase.INITIALIZING)
+    status = replace(status, phase_before_invalid=None)
     st = replace(_adopt_stable(spec, without_condition(status, ROLLBACK_PENDING)), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
-    outcome, why = _action_gate(spec, st, canary, world)
+    if spec.experiment is None and not (canary is not None and _running(spec, st, canary)):
+        pending = None  # decided for another canary or file, or already done (experiments: see there)
+    outcome, why = _action_gate(spec, st, canary, world, pending)
     if outcome != APPLIED:
         world = replace(world, action=None)  # pending or ignored: the machine does not see it
     if spec.experiment is not None:
@@ -78,9 +83,11 @@ def decide(
 APPLIED, PENDING, IGNORED, NONE = "applied", "pending", "ignored", ""
 
 
-def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | None, world: World) -> tuple[str, str]:
+def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | None, world: World,
+                 pending: tuple[str, str] | None = None) -> tuple[str, str]:
     """Whether the requested action applies now, waits until it can (pending), or cannot apply at
-    all (ignored), and why. Judged on the status before this decision."""
+    all (ignored), and why. Judged on the status before this decision (and the rollback that
+    status records as pending, which this decision finishes first)."""
     action = world.action
     if action is None:
         return NONE, ""
@@ -90,6 +97,9 @@ def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | Non
         return IGNORED, "an experiment is running: actions apply to canaries; remove spec.experiment to end it"
     if canary is None:
         return IGNORED, f"no rollout in progress: {st.stable_version} is stable and spec.canary names no other version"
+    if pending is not None:
+        why = f"canary {canary} is being rolled back ({pending[0]}: {pending[1]})"
+        return (PENDING, why) if action == "retry" else (IGNORED, why)
     started = st.canary_version == canary and st.phase in (Phase.PROGRESSING, Phase.PAUSED)
     rolled_back = st.canary_version == canary and st.phase in (Phase.ROLLED_BACK, Phase.FAILED)
     if action == "retry":
@@ -179,8 +189,6 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
     file = file_of(spec, canary)
     if st.canary_version == canary and st.canary_file is None:
         st = replace(st, canary_file=file)  # a status written before files were recorded: adopt
-    if not (st.canary_version == canary and st.canary_file == file and st.phase in (Phase.PROGRESSING, Phase.PAUSED)):
-        pending = None  # decided for another canary or file, or already done
     edited = st.canary_version == canary and st.canary_file != file
     if edited:
         # The analysis so far judged another file: never promote that evidence. Start again.
@@ -228,6 +236,13 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         worst = analysis.failed_metric()
         return _rollback(st, Phase.ROLLED_BACK, "AnalysisFailed", worst, now, events)
     return _advance(spec, st, analysis, world, now, events)
+
+
+def _running(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str) -> bool:
+    """Whether ``st`` is a rollout of ``canary``'s file under way (a status from before files were
+    recorded counts: it adopts the file)."""
+    return (st.canary_version == canary and st.canary_file in (None, file_of(spec, canary))
+            and st.phase in (Phase.PROGRESSING, Phase.PAUSED))
 
 
 def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float, events: list[Event],
@@ -395,8 +410,11 @@ def _fmt(weights: Mapping[str, int]) -> str:
 
 
 def mark_invalid(status: RolloutStatus, message: str, now: float) -> RolloutStatus:
-    """An invalid spec changes nothing that serves traffic: only phase, message and condition."""
-    st = replace(status, phase=Phase.INVALID_SPEC, message=message)
+    """An invalid spec changes nothing that serves traffic: only phase, message and condition.
+    The phase it replaces is kept, so a valid spec resumes the rollout where it was (a rolled-back
+    canary stays rolled back, a pending rollback is still finished)."""
+    before = status.phase_before_invalid if status.phase == Phase.INVALID_SPEC else status.phase
+    st = replace(status, phase=Phase.INVALID_SPEC, phase_before_invalid=before, message=message)
     return with_condition(st, "InvalidSpec", "True", "InvalidSpec", message, now)
 
 

@@ -38,6 +38,7 @@ def epoch(text: Any) -> float | None:
 # field name -> (status key, kind) ; kind "time" stored as RFC 3339 text
 _KEYS: dict[str, tuple[str, str]] = {
     "phase": ("phase", "phase"),
+    "phase_before_invalid": ("phaseBeforeInvalid", "phase"),
     "observed_generation": ("observedGeneration", "plain"),
     "stable_version": ("stableVersion", "plain"),
     "canary_version": ("canaryVersion", "plain"),
@@ -77,6 +78,7 @@ _KEYS: dict[str, tuple[str, str]] = {
 @dataclass(frozen=True)
 class RolloutStatus:
     phase: Phase = Phase.INITIALIZING
+    phase_before_invalid: Phase | None = None  # while InvalidSpec: the phase a valid spec resumes from
     observed_generation: int | None = None
     stable_version: str | None = None
     canary_version: str | None = None
@@ -142,7 +144,7 @@ class RolloutStatus:
                 value = iso(value)
             elif kind == "tuple":
                 value = list(value)
-            elif kind == "phase":
+            elif kind == "phase" and value is not None:
                 value = value.value
             if value is not None:  # absent, not null: the schema types every field
                 out[key] = value

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from mnn_rollout.contract.config import (DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_BYTES_ENV, DOWNLOAD_TIMEOUT_ENV,
-                                         DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, VersionSpec,
+from mnn_rollout.contract.config import (DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_BYTES_ENV,
+                                         DOWNLOAD_TIMEOUT_ENV, DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, VersionSpec,
                                          is_loopback_host)
 from .model import ModelLoadError, file_sha256
 
@@ -71,7 +71,7 @@ class SourceSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> SourceSettings:
-        cache = env.get(MODEL_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "mnn-rollout-models")
+        cache = env.get(MODEL_CACHE_ENV) or os.path.join(tempfile.gettempdir(), DEFAULT_MODEL_CACHE)
         return cls(Path(cache), _positive(env, DOWNLOAD_TIMEOUT_ENV, float, DOWNLOAD_TIMEOUT_SECONDS),
                    int(_positive(env, DOWNLOAD_MAX_BYTES_ENV, int, DOWNLOAD_MAX_BYTES)),
                    env.get(MODEL_CACHE_PRUNE_ENV, "").lower() in ("1", "true", "yes"))

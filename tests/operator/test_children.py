@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from rollout_operator import children
 from rollout_operator.spec import parse_spec
 
@@ -323,7 +325,7 @@ def test_without_a_model_source_the_pods_get_no_source_settings() -> None:
     plain = {"versions": S3_SPEC["versions"]}
     dep = _deployment(plain)
     container = dep["spec"]["template"]["spec"]["containers"][0]
-    # the download cache, wherever it is, is the pod's own: the runtime prunes it
+    # the download cache (the pod's /tmp) is the pod's own: the runtime prunes it
     assert {e["name"]: e.get("value") for e in container["env"][2:]} == {"MNN_ROLLOUT_MODEL_CACHE_PRUNE": "true"}
     assert [e["name"] for e in container["env"][:2]] == ["POD_NAMESPACE", "POD_NAME"]
     assert [m["name"] for m in container["volumeMounts"]] == ["tmp"]
@@ -333,6 +335,24 @@ def test_without_a_model_source_the_pods_get_no_source_settings() -> None:
     env = [e["name"] for e in with_source["spec"]["template"]["spec"]["containers"][0]["env"]]
     assert "AWS_ACCESS_KEY_ID" not in env and "MNN_ROLLOUT_MODEL_CACHE" in env  # no s3: no keys, a cache all the same
     assert dep["metadata"]["annotations"] != with_source["metadata"]["annotations"]  # a change rolls the pods
+
+
+@pytest.mark.parametrize(("source", "mount", "pruned"), [
+    (None, None, True),
+    (None, "/tmp/mnn-rollout-models", False),  # a volume of the user's (other pods may share it)
+    (None, "/tmp/mnn-rollout-models/", False),
+    (None, "/data", True),
+    ({}, None, True),
+    ({}, "/var/cache", True),  # the operator's cache volume, deeper, is mounted over it
+    ({}, "/tmp/mnn-rollout-models", True),  # with modelSource the cache is elsewhere
+])
+def test_the_runtime_prunes_its_download_cache_only_when_the_pod_owns_it(
+        source: dict[str, Any] | None, mount: str | None, pruned: bool) -> None:
+    runtime = {"volumes": [{"name": "data", "emptyDir": {}}], "volumeMounts": [{"name": "data", "mountPath": mount}]}
+    dep = _deployment({"versions": S3_SPEC["versions"], **({"modelSource": source} if source is not None else {}),
+                       **({"runtime": runtime} if mount else {})})
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env.get("MNN_ROLLOUT_MODEL_CACHE_PRUNE") == ("true" if pruned else None)
 
 
 def test_a_secret_less_s3_source_uses_the_pods_own_identity() -> None:

@@ -115,16 +115,22 @@ def failing(errors: float, breached: tuple[str, ...] | None = None) -> Analysis:
     return Analysis(T0, FAIL, (metric,), 100, message=f"error-rate {errors} breached 0.05", breached=breached)
 
 
-def test_a_rollback_cut_before_its_routing_write_is_finished_by_the_next_reconcile(tmp_path: Path) -> None:
+def cut_rollback(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
+    """A canary at step 1 whose rollback was decided and cut before its routing write (where a
+    crash or the operator's exit would stop it)."""
     ports, rec, looks = setup(tmp_path, CANARY)
     for _ in range(3):
         reconcile(ports, rec)
-    assert ports.status().phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}
-
     looks.next = failing(0.3)
     ports.cut_next_children_write = True
-    with pytest.raises(Cut):  # the rollback is decided; the operator stops before the routing is written
+    with pytest.raises(Cut):
         reconcile(ports, rec)
+    assert condition(ports.status(), ROLLBACK_PENDING) is not None and ports.served() == {"v1": 80, "v2": 20}
+    return ports, rec, looks
+
+
+def test_a_rollback_cut_before_its_routing_write_is_finished_by_the_next_reconcile(tmp_path: Path) -> None:
+    ports, rec, looks = cut_rollback(tmp_path)
     assert looks.next is None  # the failing look was taken
     cut = ports.status()
     # the status says what the routing serves, and that a rollback is pending, with its reason
@@ -164,14 +170,7 @@ def test_an_uncut_rollback_records_the_pending_rollback_then_the_result(tmp_path
 
 
 def test_a_pending_rollback_for_a_canary_no_longer_named_is_dropped(tmp_path: Path) -> None:
-    ports, rec, looks = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
-    looks.next = failing(0.3)
-    ports.cut_next_children_write = True
-    with pytest.raises(Cut):
-        reconcile(ports, rec)
-    assert condition(ports.status(), ROLLBACK_PENDING) is not None
+    ports, rec, _ = cut_rollback(tmp_path)
     # meanwhile the user names another canary: that one starts; the old decision does not touch it
     ports.body["spec"] = {**CANARY, "versions": VERSIONS, "canary": "v3"}
     ports.body["metadata"]["generation"] = 2
@@ -202,3 +201,67 @@ def test_an_experiment_aborted_and_cut_is_aborted_by_the_next_reconcile(tmp_path
     assert (done.experiment or {}).get("state") == "Aborted" and done.abort_reason == pending["message"]
     assert "ExperimentAborted" in [e.reason for e in outcome.events]
     assert condition(done, ROLLBACK_PENDING) is None
+
+
+def set_spec(ports: Ports, spec: dict[str, Any]) -> None:
+    ports.body["spec"] = spec
+    ports.body["metadata"]["generation"] += 1
+
+
+def invalid_round_trip(ports: Ports, rec: Reconciler) -> None:
+    """The user saves a spec that names no version as canary, then puts the right one back."""
+    served = ports.served()
+    set_spec(ports, {**CANARY, "canary": "v9"})
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.INVALID_SPEC and ports.served() == served
+    set_spec(ports, CANARY)
+    reconcile(ports, rec)
+
+
+def test_an_invalid_spec_saved_meanwhile_does_not_drop_a_pending_rollback(tmp_path: Path) -> None:
+    """Found in review: InvalidSpec replaced the phase, and the rollback (decided for a rollout
+    "in progress") was dropped once the spec was fixed: the canary got its share back."""
+    ports, rec, _ = cut_rollback(tmp_path)
+    invalid_round_trip(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
+    assert done.abort_reason is not None and done.abort_reason.startswith("AnalysisFailed: ")
+
+
+def test_a_rolled_back_canary_stays_rolled_back_through_an_invalid_spec(tmp_path: Path) -> None:
+    """Found in review (older than the pending rollback): after an invalid spec was fixed, a
+    rolled-back canary went on at its step weight, without a retry."""
+    ports, rec, looks = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    looks.next = failing(0.3)
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    invalid_round_trip(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    assert ports.status().phase_before_invalid is None
+
+
+@pytest.mark.parametrize("verb", ["promote-full", "promote", "abort"])
+def test_an_action_meeting_a_pending_rollback_is_ignored_with_the_reason(tmp_path: Path, verb: str) -> None:
+    """Found in review: promote-full was recorded as applied, though the canary was rolled back."""
+    ports, rec, _ = cut_rollback(tmp_path)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": f"{verb}:1"}
+    reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    assert done.last_action == f"{verb}:1" and done.action_result is not None
+    assert done.action_result.startswith("ignored: canary v2 is being rolled back (AnalysisFailed: "), done
+
+
+def test_a_retry_meeting_a_pending_rollback_waits_for_it_then_applies(tmp_path: Path) -> None:
+    ports, rec, _ = cut_rollback(tmp_path)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "retry:1"}
+    reconcile(ports, rec)
+    rolled = ports.status()
+    assert rolled.phase == Phase.ROLLED_BACK and rolled.pending_action is not None
+    assert rolled.pending_action.startswith("retry:1: canary v2 is being rolled back")
+    outcome = reconcile(ports, rec)  # the retry applies to the canary now rolled back
+    retried = ports.status()
+    assert retried.phase == Phase.PROGRESSING and retried.action_result == "applied" and retried.pending_action is None
+    assert "RolloutRetried" in [e.reason for e in outcome.events]

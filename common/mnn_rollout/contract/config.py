@@ -39,7 +39,8 @@ DRAIN_IN_FLIGHT_SECONDS = 10
 REMOTE_SCHEMES = ("https", "http", "s3")  # http only to a loopback address: see uri_problem
 MAX_URI_LENGTH = 2048
 S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-MODEL_CACHE_ENV = "MNN_ROLLOUT_MODEL_CACHE"  # the cache directory (default: <tmp>/mnn-rollout-models)
+MODEL_CACHE_ENV = "MNN_ROLLOUT_MODEL_CACHE"  # the cache directory (default: <tmp>/DEFAULT_MODEL_CACHE)
+DEFAULT_MODEL_CACHE = "mnn-rollout-models"
 # "true": the cache is this runtime's own (a pod's emptyDir), so after each config it applies the
 # runtime removes the files no version of it names. Off by default: a directory shared by several
 # runtimes on one machine must keep the others' files.
