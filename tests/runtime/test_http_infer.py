@@ -448,6 +448,36 @@ def test_a_slow_request_pipelined_behind_an_answer_is_not_cut_by_the_keep_alive_
 
 
 @pytest.mark.parametrize("server", ON_BOTH)
+def test_an_idle_connection_is_closed_after_the_keep_alive_timeout_and_a_busy_one_is_not(
+        served: Served, monkeypatch: pytest.MonkeyPatch, server: str) -> None:
+    """InferProtocol keeps one keep-alive timer per connection instead of one per request: the
+    rule stays uvicorn's. Requests closer together than the timeout keep the connection (the timer
+    armed by the first answer fires meanwhile and must wait for the rest); once idle for the
+    timeout after the last answer, it is closed; a request under way is never cut."""
+    target = served.fast if server == "infer-protocol" else served.slow
+    timeout = 0.6
+    monkeypatch.setattr(target.config, "timeout_keep_alive", timeout)  # read by each new connection
+    conn = Conn(target.config.port)
+    try:
+        for _ in range(5):  # 5 x 0.25 s: past the first timer's due time, never idle for the timeout
+            assert conn.send(req(INFER, tensor())).reply().status == 200
+            time.sleep(timeout * 0.4)
+        assert conn.send(req(INFER, tensor())).reply().status == 200
+        answered = time.monotonic()
+        # a request whose body comes slowly, longer than the timeout: not cut
+        body = tensor()
+        conn.send(req(INFER, body)[:-10])
+        time.sleep(timeout * 1.5)
+        assert conn.send(req(INFER, body)[-10:]).reply().status == 200
+        answered = time.monotonic()
+        conn.sock.settimeout(timeout * 4)
+        assert conn.file.read(1) == b""  # closed by the server, once idle for the timeout
+        assert timeout * 0.9 <= time.monotonic() - answered <= timeout * 3
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("server", ON_BOTH)
 def test_a_client_that_reads_nothing_cannot_make_the_server_buffer_without_bound(served: Served, server: str) -> None:
     """A client pipelining requests without reading their answers must not make the worker hold
     them all in memory: uvicorn's path stops reading and waits to write, and the lean path hands
