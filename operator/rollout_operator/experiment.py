@@ -113,17 +113,17 @@ def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, 
 
 
 def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis: Analysis | None, now: float,
-           events: list[Event], pending: tuple[str, str] | None = None) -> RolloutStatus:
+           events: list[Event], pending: tuple[str, str, str] | None = None) -> RolloutStatus:
     """The experiment's next status: start it, give the split once every version is loaded, record
     each look, and conclude (promote the winner, or keep stable). ``pending``: the (reason,
-    message) of an abort decided but not recorded (a reconcile cut between its writes)."""
+    message, target) of an abort of this experiment decided but not recorded (a reconcile cut
+    between its writes)."""
     from .rollout import Event, hold_unready
 
     exp = spec.experiment
     assert exp is not None and st.stable_version is not None
     stable, state = st.stable_version, dict(st.experiment or {})
     if state.get("key") != exp.key() or state.get("removed"):
-        pending = None  # decided for another experiment
         if stable not in exp.weights:
             return replace(st, phase=Phase.READY, message=f"experiment: stable {stable} is not one of "
                                                           f"experiment.weights ({', '.join(sorted(exp.weights))})")

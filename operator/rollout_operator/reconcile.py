@@ -11,8 +11,9 @@ A rollback is the one decision that must survive the operator being cut between 
 (a crash, an exit): decided again from the old status, it would find weights the routing no
 longer serves, too little canary traffic to judge, and put the canary's share back until it
 breached again. So the status first records the rollback as pending (condition
-``RollbackPending``, beside the weights still served), then the children are written, then the
-status that says it is done; a reconcile that finds the condition finishes that rollback.
+``RollbackPending`` and ``rollbackPendingFor``, the canary file or experiment it is for, beside the
+weights still served), then the children are written, then the status that says it is done; a
+reconcile that finds it finishes that rollback while the spec still names that rollout.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
 from .ports import DELETED, REJECTED, REPAIRED, Ports
-from .rollout import Event, World, decide, mark_invalid, routed_versions
+from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
-from .status import ROLLBACK_PENDING, Phase, RolloutStatus, condition, pending_rollback, with_condition
+from .status import Phase, RolloutStatus, condition, pending_rollback, with_condition, with_pending_rollback
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Reconciler:
         first = not (body.get("status") or {}).get("observedGeneration")
         if new.rolled_back_at is not None and new.rolled_back_at != status.rolled_back_at:
             try:
-                body = self._record_pending_rollback(body, status, new, now)
+                body = self._record_pending_rollback(body, spec, status, new, now)
             except ApiError as exc:
                 if exc.status != 409:
                     raise
@@ -253,15 +254,16 @@ class Reconciler:
                 for v in new.versions
                 if v.get("requestedBackend") and before.get(v.get("name")) != (v["requestedBackend"], v.get("backend"))]
 
-    def _record_pending_rollback(self, body: dict[str, Any], old: RolloutStatus, new: RolloutStatus,
-                                 now: float) -> dict[str, Any]:
+    def _record_pending_rollback(self, body: dict[str, Any], spec: ModelDeploymentSpec, old: RolloutStatus,
+                                 new: RolloutStatus, now: float) -> dict[str, Any]:
         """Store ``old`` (what the routing still serves) with the rollback ``new`` decided as
         pending; returns ``body`` as stored. Already recorded (this finishes it): nothing to store."""
-        if pending_rollback(old) is not None:
-            return body
         why = condition(new, "Progressing") or {}
-        intent = with_condition(old, ROLLBACK_PENDING, "True", str(why.get("reason") or "RolledBack"),
-                                str(why.get("message") or new.abort_reason or ""), now).to_dict()
+        pending = (str(why.get("reason") or "RolledBack"), str(why.get("message") or new.abort_reason or ""),
+                   rollback_target(spec, new.canary_version) or "")
+        if pending_rollback(old) == pending:
+            return body
+        intent = with_pending_rollback(old, pending, now).to_dict()
         version = self.ports.store_status(body, intent)
         return {**body, "metadata": {**body["metadata"], "resourceVersion": version}, "status": intent}
 

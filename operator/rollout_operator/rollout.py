@@ -13,7 +13,7 @@ from typing import Any
 from . import comparisons, experiment
 from .verdicts import Analysis
 from .spec import ModelDeploymentSpec
-from .status import ROLLBACK_PENDING, Phase, RolloutStatus, epoch, pending_rollback, with_condition, without_condition
+from .status import Phase, RolloutStatus, epoch, pending_rollback, with_condition, without_pending_rollback
 
 ACTIONS = ("promote", "promote-full", "abort", "retry")
 DEADLINE = "ProgressDeadlineExceeded"  # the reason of a rollback to phase Failed
@@ -58,10 +58,10 @@ def decide(
     if status.phase == Phase.INVALID_SPEC:  # valid again: resume from the phase it had
         status = replace(status, phase=status.phase_before_invalid or Phase.INITIALIZING)
     status = replace(status, phase_before_invalid=None)
-    st = replace(_adopt_stable(spec, without_condition(status, ROLLBACK_PENDING)), total_steps=len(spec.strategy.steps))
+    st = replace(_adopt_stable(spec, without_pending_rollback(status)), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
-    if spec.experiment is None and not (canary is not None and _running(spec, st, canary)):
-        pending = None  # decided for another canary or file, or already done (experiments: see there)
+    if pending is not None and pending[2] != rollback_target(spec, canary):
+        pending = None  # decided for a canary, file or experiment the spec no longer names
     outcome, why = _action_gate(spec, st, canary, world, pending)
     if outcome != APPLIED:
         world = replace(world, action=None)  # pending or ignored: the machine does not see it
@@ -84,7 +84,7 @@ APPLIED, PENDING, IGNORED, NONE = "applied", "pending", "ignored", ""
 
 
 def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | None, world: World,
-                 pending: tuple[str, str] | None = None) -> tuple[str, str]:
+                 pending: tuple[str, str, str] | None = None) -> tuple[str, str]:
     """Whether the requested action applies now, waits until it can (pending), or cannot apply at
     all (ignored), and why. Judged on the status before this decision (and the rollback that
     status records as pending, which this decision finishes first)."""
@@ -185,7 +185,7 @@ def file_of(spec: ModelDeploymentSpec, version: str) -> str:
 
 def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
             analysis: Analysis | None, now: float, events: list[Event],
-            pending: tuple[str, str] | None = None) -> RolloutStatus:
+            pending: tuple[str, str, str] | None = None) -> RolloutStatus:
     file = file_of(spec, canary)
     if st.canary_version == canary and st.canary_file is None:
         st = replace(st, canary_file=file)  # a status written before files were recorded: adopt
@@ -206,7 +206,7 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
     if world.alert:
         return _rollback(st, Phase.ROLLED_BACK, "AlertFiring", f"alert {world.alert} is firing", now, events)
     if pending is not None:
-        reason, detail = pending
+        reason, detail, _ = pending
         phase = Phase.FAILED if reason == DEADLINE else Phase.ROLLED_BACK
         return _rollback(st, phase, reason, detail, now, events)
     if world.action == "abort":
@@ -238,11 +238,11 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
     return _advance(spec, st, analysis, world, now, events)
 
 
-def _running(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str) -> bool:
-    """Whether ``st`` is a rollout of ``canary``'s file under way (a status from before files were
-    recorded counts: it adopts the file)."""
-    return (st.canary_version == canary and st.canary_file in (None, file_of(spec, canary))
-            and st.phase in (Phase.PROGRESSING, Phase.PAUSED))
+def rollback_target(spec: ModelDeploymentSpec, canary: str | None) -> str | None:
+    """What a rollback decided now is for: the experiment, or the canary and its file."""
+    if spec.experiment is not None:
+        return f"experiment {spec.experiment.key()}"
+    return f"canary {canary} {file_of(spec, canary)}" if canary else None
 
 
 def _start(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, now: float, events: list[Event],

@@ -39,6 +39,7 @@ def epoch(text: Any) -> float | None:
 _KEYS: dict[str, tuple[str, str]] = {
     "phase": ("phase", "phase"),
     "phase_before_invalid": ("phaseBeforeInvalid", "phase"),
+    "rollback_pending_for": ("rollbackPendingFor", "plain"),
     "observed_generation": ("observedGeneration", "plain"),
     "stable_version": ("stableVersion", "plain"),
     "canary_version": ("canaryVersion", "plain"),
@@ -79,6 +80,7 @@ _KEYS: dict[str, tuple[str, str]] = {
 class RolloutStatus:
     phase: Phase = Phase.INITIALIZING
     phase_before_invalid: Phase | None = None  # while InvalidSpec: the phase a valid spec resumes from
+    rollback_pending_for: str | None = None  # with condition RollbackPending: the rollout it rolls back
     observed_generation: int | None = None
     stable_version: str | None = None
     canary_version: str | None = None
@@ -183,9 +185,20 @@ def without_condition(st: RolloutStatus, type_: str) -> RolloutStatus:
 ROLLBACK_PENDING = "RollbackPending"
 
 
-def pending_rollback(st: RolloutStatus) -> tuple[str, str] | None:
-    """(reason, message) of a rollback decided and not yet recorded as done, if any."""
+def pending_rollback(st: RolloutStatus) -> tuple[str, str, str] | None:
+    """(reason, message, the rollout it is for) of a rollback decided and not yet recorded as
+    done, if any. The rollout may not be the one the status describes: a decision can start a
+    canary and roll it back at once (an alert already firing for it)."""
     cond = condition(st, ROLLBACK_PENDING)
-    if cond is None or cond.get("status") != "True":
+    if cond is None or cond.get("status") != "True" or not st.rollback_pending_for:
         return None
-    return str(cond.get("reason") or "RollbackPending"), str(cond.get("message") or "")
+    return str(cond.get("reason") or "RollbackPending"), str(cond.get("message") or ""), st.rollback_pending_for
+
+
+def with_pending_rollback(st: RolloutStatus, pending: tuple[str, str, str], now: float) -> RolloutStatus:
+    reason, message, target = pending
+    return replace(with_condition(st, ROLLBACK_PENDING, "True", reason, message, now), rollback_pending_for=target)
+
+
+def without_pending_rollback(st: RolloutStatus) -> RolloutStatus:
+    return replace(without_condition(st, ROLLBACK_PENDING), rollback_pending_for=None)

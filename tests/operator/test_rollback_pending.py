@@ -265,3 +265,21 @@ def test_a_retry_meeting_a_pending_rollback_waits_for_it_then_applies(tmp_path: 
     retried = ports.status()
     assert retried.phase == Phase.PROGRESSING and retried.action_result == "applied" and retried.pending_action is None
     assert "RolloutRetried" in [e.reason for e in outcome.events]
+
+
+def test_a_new_rollback_over_a_stale_pending_one_is_recorded_as_its_own(tmp_path: Path) -> None:
+    """Found in review: a status still holding the pending rollback of a canary since replaced
+    kept it instead of recording the new canary's rollback; cut again, that rollback was lost."""
+    ports, rec, _ = cut_rollback(tmp_path)
+    set_spec(ports, {**CANARY, "versions": VERSIONS, "canary": "v3"})
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/alert": "CanaryErrors@2027-01-15T08:00:00Z@v3"}
+    ports.cut_next_children_write = True
+    with pytest.raises(Cut):  # v3 starts and is rolled back by the alert in the same decision: cut
+        reconcile(ports, rec)
+    pending = condition(ports.status(), ROLLBACK_PENDING)
+    assert pending is not None and pending["reason"] == "AlertFiring", pending
+    ports.body["metadata"]["annotations"] = {}  # the alert resolves meanwhile
+    reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and done.canary_version == "v3" and ports.served() == {"v1": 100}
+    assert done.abort_reason is not None and done.abort_reason.startswith("AlertFiring: ")
