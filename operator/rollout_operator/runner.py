@@ -50,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "operator") -> None
                         "(default 20)")
     p.add_argument("--kube-burst", type=int, default=int(env("MNN_ROLLOUT_KUBE_BURST", "30")),
                    help="requests allowed at once above --kube-qps (default 30)")
+    p.add_argument("--verbose", action="store_true", default=env("MNN_ROLLOUT_VERBOSE", "") not in ("", "0", "false"),
+                   help="also log kopf's line per handled watch event (default: its warnings and errors only)")
+
+
+def kopf_log_level(verbose: bool) -> None:
+    """kopf logs "Handler '...' succeeded." at INFO for every watch event it hands on: with
+    hundreds of ModelDeployments and their pods, most of the operator's log. Unless ``verbose``,
+    only its warnings and errors."""
+    logging.getLogger("kopf.objects").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> int:
@@ -65,6 +74,7 @@ def run(args: argparse.Namespace, memo_extra: dict[str, Any] | None = None) -> i
     from .reconcile import Reconciler
     from .wakeups import WakeUps
 
+    kopf_log_level(args.verbose)
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)

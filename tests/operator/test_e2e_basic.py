@@ -43,6 +43,9 @@ def test_apply_serves_v1_and_reports_ready_with_printer_columns(cluster: Cluster
     row = table.splitlines()[1].split()
     assert row[:3] == ["scorer", "Ready", "v1"] and "2/2" in row
     assert "ChildrenCreated" in cluster.event_reasons()
+    # kopf handled every watch event above without a log line each (no --verbose); its own start is logged
+    log = cluster.operators[0].log()
+    assert "operator starting" in log and "Handler '" not in log, log[-2000:]
 
 
 async def _route_all(url: str, keys: list[str]) -> dict[str, str]:

@@ -392,6 +392,27 @@ def test_the_operator_flags_set_the_rate_limit(monkeypatch: pytest.MonkeyPatch) 
     assert (args.kube_qps, args.kube_burst) == (0.0, 1)
 
 
+def test_kopf_logs_a_line_per_handled_event_only_when_verbose(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    assert not parser.parse_args([]).verbose and parser.parse_args(["--verbose"]).verbose
+    monkeypatch.setenv("MNN_ROLLOUT_VERBOSE", "1")
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    assert parser.parse_args([]).verbose
+    kopf_objects = logging.getLogger("kopf.objects")
+    monkeypatch.setattr(kopf_objects, "level", kopf_objects.level)  # restored after the test
+    caplog.set_level(logging.DEBUG)
+    for verbose in (False, True):
+        runner.kopf_log_level(verbose)
+        kopf_objects.info("Handler 'x' succeeded.")
+        kopf_objects.warning("Handler 'x' failed temporarily")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kopf.objects"] == [
+        ("WARNING", "Handler 'x' failed temporarily"),
+        ("INFO", "Handler 'x' succeeded."), ("WARNING", "Handler 'x' failed temporarily")]
+
+
 def test_the_client_keeps_a_connection_per_reconcile_thread(emu: EmulatorProcess, make_client: Callable[..., KubeClient],
                                                             caplog: pytest.LogCaptureFixture) -> None:
     """16 threads at once on one client: with fewer pooled connections than threads, urllib3
