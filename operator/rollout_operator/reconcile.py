@@ -156,10 +156,14 @@ class Reconciler:
         except ApiError as exc:
             if exc.status != 409:
                 raise
-            # Decided from an older version of the object: the next reconcile decides again from
-            # the fresh one (and emits the decision's events then). What was written to the
-            # children happened, and is said now, or never.
-            return Outcome(status, child_events, written, False, None, conflict=True)
+            if not (exc.ambiguous and self._stored(body, new)):
+                # Decided from an older version of the object: the next reconcile decides again
+                # from the fresh one (and emits the decision's events then). What was written to
+                # the children happened, and is said now, or never.
+                return Outcome(status, child_events, written, False, None, conflict=True)
+            # The echo of our own write (it landed, its answer was lost, the retry met the new
+            # version): the decision is recorded, and its events are said now, as they would be.
+            wrote = True
         events.extend(child_events)
         events.extend(self._engine_events(status, new))
         self._count(namespace, name, status, new, analysis, events)
@@ -266,6 +270,13 @@ class Reconciler:
         intent = with_pending_rollback(old, pending, now).to_dict()
         version = self.ports.store_status(body, intent)
         return {**body, "metadata": {**body["metadata"], "resourceVersion": version}, "status": intent}
+
+    def _stored(self, body: dict[str, Any], new: RolloutStatus) -> bool:
+        """Whether the object's status is now exactly ``new`` (only this operator writes it)."""
+        meta = body["metadata"]
+        live = self.ports.read(meta["namespace"], meta["name"])
+        return (live is not None and live["metadata"].get("uid") == meta.get("uid")
+                and (live.get("status") or {}) == new.to_dict())
 
     def _write_status(self, body: dict[str, Any], new: RolloutStatus) -> bool:
         """Write the whole status, only when it changed, and only over the version it was decided

@@ -20,6 +20,7 @@ import pytest
 from mnn_rollout.contract.config import parse_config_text
 from mnn_rollout.demo.ports import LocalPorts
 from rollout_operator import children
+from rollout_operator.kube import ApiError
 from rollout_operator.observe import Observation, PodView
 from rollout_operator.reconcile import Outcome, Reconciler
 from rollout_operator.spec import ModelDeploymentSpec
@@ -283,3 +284,33 @@ def test_a_new_rollback_over_a_stale_pending_one_is_recorded_as_its_own(tmp_path
     done = ports.status()
     assert done.phase == Phase.ROLLED_BACK and done.canary_version == "v3" and ports.served() == {"v1": 100}
     assert done.abort_reason is not None and done.abort_reason.startswith("AlertFiring: ")
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_status_write_whose_answer_was_lost_is_known_by_the_status_it_left(tmp_path: Path, landed: bool) -> None:
+    """Found in review: the final status PUT landed, its answer was lost, and the client's retry
+    met the new version (409): the reconcile took it for a conflict, and the rollback's Event and
+    metric were never given (the next reconcile found nothing to decide). A 409 after an attempt
+    that may have landed now reads the object: its own status there means the write happened."""
+    ports, rec, looks = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    calls, store = [0], ports.store_status
+
+    def lost_answer(body: dict[str, Any], status: dict[str, Any]) -> str | None:
+        calls[0] += 1
+        if calls[0] == 2:  # the final write (the first records the pending rollback)
+            if landed:
+                store(body, status)
+            raise ApiError(409, "the object has been modified", "Conflict", attempts=2, ambiguous=True)
+        return store(body, status)
+
+    ports.store_status = lost_answer  # type: ignore[method-assign]
+    looks.next = failing(0.3)
+    outcome = reconcile(ports, rec)
+    assert outcome.conflict is not landed and outcome.wrote_status is landed
+    assert ("RolloutAborted" in [e.reason for e in outcome.events]) is landed
+    again = reconcile(ports, rec)  # the next reconcile: the rollback is done, said once in all
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    said = [e.reason for e in (*outcome.events, *again.events)].count("RolloutAborted")
+    assert said == 1, (outcome.events, again.events)
