@@ -263,6 +263,12 @@ if HttpToolsProtocol is not None:
             if self.timeout_keep_alive_task is None:
                 self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
 
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            if self.timeout_keep_alive_task is not None:  # not left to fire for a closed connection
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
+
         def _keep_alive_due(self) -> None:
             self.timeout_keep_alive_task = None
             idle = self._idle_since

@@ -478,6 +478,24 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_timeout_and_a_busy_on
 
 
 @pytest.mark.parametrize("server", ON_BOTH)
+def test_a_connection_the_client_closes_leaves_no_keep_alive_timer(served: Served, server: str) -> None:
+    """The one timer per connection is cancelled when the connection goes, not left to fire
+    (connections that come and go would pile timers up for the whole timeout)."""
+    target = served.fast if server == "infer-protocol" else served.slow
+    before = set(target.server_state.connections)
+    conn = Conn(target.config.port)
+    assert conn.send(req(INFER, tensor())).reply().status == 200
+    (protocol,) = set(target.server_state.connections) - before
+    assert protocol.timeout_keep_alive_task is not None  # armed by the answer
+    conn.close()
+    deadline = time.monotonic() + 5
+    while protocol in target.server_state.connections and time.monotonic() < deadline:  # connection_lost ran
+        time.sleep(0.01)
+    assert protocol not in target.server_state.connections
+    assert protocol.timeout_keep_alive_task is None
+
+
+@pytest.mark.parametrize("server", ON_BOTH)
 def test_a_client_that_reads_nothing_cannot_make_the_server_buffer_without_bound(served: Served, server: str) -> None:
     """A client pipelining requests without reading their answers must not make the worker hold
     them all in memory: uvicorn's path stops reading and waits to write, and the lean path hands
