@@ -244,16 +244,21 @@ def workers_arg(workers: int | None, resources: Mapping[str, Any], threads: int 
     return "auto"
 
 
+def _holds(mount: str, path: str) -> bool:
+    """Whether a volume mounted at ``mount`` holds ``path`` (a mount at the root aside)."""
+    mount = mount.rstrip("/")
+    return bool(mount) and (path == mount or path.startswith(mount + "/"))
+
+
 def download_cache_is_the_pods(spec: ModelDeploymentSpec) -> bool:
     """Whether the runtime's model download cache is an emptyDir of the pod's own (its /tmp, or
     with ``modelSource`` the cache volume), not a volume of ``runtime.volumeMounts`` that other pods
-    may share: only then may the runtime remove files its config no longer names."""
-    own = [MODEL_CACHE_DIR] if spec.model_source is not None else ["/tmp"]
-    path = own[0] if spec.model_source is not None else f"/tmp/{DEFAULT_MODEL_CACHE}"
-    holders = [m.rstrip("/") for m in [*own, *(str(m.get("mountPath", "")) for m in spec.runtime.volume_mounts)]
-               if m.strip("/")]
-    holding = [m for m in holders if path == m or path.startswith(m + "/")]
-    return max(holding, key=len) in own
+    may share: only then may the runtime remove files its config no longer names. The cache is on
+    the deepest mount that holds it."""
+    own = MODEL_CACHE_DIR if spec.model_source is not None else "/tmp"
+    path = MODEL_CACHE_DIR if spec.model_source is not None else f"/tmp/{DEFAULT_MODEL_CACHE}"
+    users = [str(m.get("mountPath", "")) for m in spec.runtime.volume_mounts]
+    return not any(_holds(m, path) and len(m.rstrip("/")) > len(own) for m in users)
 
 
 def cache_mounts(spec: ModelDeploymentSpec) -> list[tuple[str, str]]:
@@ -264,7 +269,7 @@ def cache_mounts(spec: ModelDeploymentSpec) -> list[tuple[str, str]]:
     mounted = ["/tmp", *(str(m.get("mountPath", "")) for m in spec.runtime.volume_mounts)]
     out: list[tuple[str, str]] = []
     for path in sorted({v.engine.cache_dir.rstrip("/") for v in spec.versions if v.engine and v.engine.cache_dir}):
-        if any(path == m.rstrip("/") or path.startswith(m.rstrip("/") + "/") for m in mounted if m.strip("/")):
+        if any(_holds(m, path) for m in mounted):
             continue
         out.append((f"mnn-cache-{hashlib.sha256(path.encode()).hexdigest()[:8]}", path))
         mounted.append(path)

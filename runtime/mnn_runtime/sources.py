@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from mnn_rollout.contract.config import (DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_BYTES_ENV,
-                                         DOWNLOAD_TIMEOUT_ENV, DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, VersionSpec,
-                                         is_loopback_host)
+                                         DOWNLOAD_TIMEOUT_ENV, DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV,
+                                         MODEL_CACHE_PRUNE_ENV, VersionSpec, is_loopback_host)
 from .model import ModelLoadError, file_sha256
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ Simulated (close to a real cluster):
   conditions). A deleted Deployment (directly or by GC) or Pod has its processes ended.
 
 Not simulated: ReplicaSets (pods are owned by the Deployment directly), images (every container
-runs from this checkout), volumes (but an emptyDir mounted at /tmp: the pod's own TMPDIR), resources/limits, securityContext, init containers, postStart
-hooks, grpc probes (pass), ``spec.paused`` beyond "do nothing", scheduling, Endpoints and
+runs from this checkout), volumes (but an emptyDir mounted at /tmp: the pod's own TMPDIR),
+resources/limits, securityContext, init containers, postStart hooks, grpc probes (pass), ``spec.paused`` beyond "do nothing", scheduling, Endpoints and
 EndpointSlice objects (the proxy reads the pods), ClusterIP allocation, DNS, Events. Use ``namespace=`` / ``label_selector=`` to restrict which Deployments are run.
 
 Here: the public face (:class:`Kubelet`, :class:`PodInfo`) and the reconcile loop. The parts:
