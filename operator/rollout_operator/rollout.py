@@ -56,7 +56,7 @@ def decide(
     # is finished below if the rollout it was for still runs; the condition goes either way.
     pending = pending_rollback(status)
     if status.phase == Phase.INVALID_SPEC:  # valid again: resume from the phase it had
-        status = replace(status, phase=status.phase_before_invalid or Phase.INITIALIZING)
+        status = replace(status, phase=status.phase_before_invalid or _phase_kept_by(status))
     status = replace(status, phase_before_invalid=None)
     st = replace(_adopt_stable(spec, without_pending_rollback(status)), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
@@ -76,6 +76,18 @@ def decide(
     st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
     st = _readiness(spec, st, world, now)
     return st, events
+
+
+def _phase_kept_by(status: RolloutStatus) -> Phase:
+    """The phase an InvalidSpec status without ``phaseBeforeInvalid`` (written by an earlier operator,
+    which did not record it) resumes from, read from what the status kept. A canary rolled back and
+    not started again since (``_start`` clears ``rolledBackAt``) stays rolled back: resumed as
+    Initializing, it went on at its step weight without a retry. Anything else resumes as
+    Initializing, as before (a canary at a step goes on at it from there)."""
+    if status.canary_version is not None and status.rolled_back_at is not None:
+        failed = (status.abort_reason or "").startswith(f"{DEADLINE}:")
+        return Phase.FAILED if failed else Phase.ROLLED_BACK
+    return Phase.INITIALIZING
 
 
 # -- manual actions ----------------------------------------------------------------------------

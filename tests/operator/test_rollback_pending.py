@@ -314,3 +314,46 @@ def test_a_status_write_whose_answer_was_lost_is_known_by_the_status_it_left(tmp
     assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
     said = [e.reason for e in (*outcome.events, *again.events)].count("RolloutAborted")
     assert said == 1, (outcome.events, again.events)
+
+
+def written_by_an_earlier_operator(ports: Ports, rec: Reconciler) -> None:
+    """The user saves an invalid spec; the status is then what an operator that did not record
+    phaseBeforeInvalid wrote (this one's, without the field); the user puts the right spec back."""
+    set_spec(ports, {**CANARY, "canary": "v9"})
+    reconcile(ports, rec)
+    old = ports.status()
+    assert old.phase == Phase.INVALID_SPEC and old.phase_before_invalid is not None
+    ports.body["status"] = replace(old, phase_before_invalid=None).to_dict()
+    assert "phaseBeforeInvalid" not in ports.body["status"]
+    set_spec(ports, CANARY)
+    reconcile(ports, rec)
+
+
+def test_a_rolled_back_canary_stays_rolled_back_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    """An earlier operator's InvalidSpec status has no phaseBeforeInvalid: resumed as Initializing,
+    the rolled-back canary went back to its step weight without a retry. The phase is read from
+    what the status kept (rolledBackAt)."""
+    ports, rec, looks = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    looks.next = failing(0.3)
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    written_by_an_earlier_operator(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
+    assert done.abort_reason is not None and done.abort_reason.startswith("AnalysisFailed: ")
+
+
+def test_a_canary_at_a_step_goes_on_at_it_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    ports, rec, _ = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    before = ports.status()
+    assert before.phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}, before
+    written_by_an_earlier_operator(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}, done
+    assert done.rollout_started_at == before.rollout_started_at and done.current_step == before.current_step
