@@ -201,5 +201,18 @@ def start_fastapi(model_path: Path, workers: int, log: Path,
     return proc, url
 
 
+def start_floor(kind: str, workers: int, log: Path, timeout: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+    """A do-nothing HTTP responder (``kind`` "python": uvloop + httptools; "c": epoll in C), ``workers``
+    processes on one port: the floor of any server's CPU per request (bench/baselines/floor_server.py)."""
+    port = free_port()
+    proc = _popen([sys.executable, str(BASELINES / "floor_server.py"), kind, str(port), str(workers)],
+                  dict(os.environ), log)
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(proc, url + "/", f"HTTP floor ({kind}, {workers} workers)", log, timeout)
+    if workers > 1:
+        time.sleep(0.5)
+    return proc, url
+
+
 if __name__ == "__main__":
     print(mlserver_venv(quiet=False))
