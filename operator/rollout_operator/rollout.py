@@ -80,11 +80,23 @@ def decide(
 
 def _phase_kept_by(status: RolloutStatus) -> Phase:
     """The phase an InvalidSpec status without ``phaseBeforeInvalid`` (written by an earlier operator,
-    which did not record it) resumes from, read from what the status kept. A canary rolled back and
-    not started again since (``_start`` clears ``rolledBackAt``) stays rolled back: resumed as
-    Initializing, it went on at its step weight without a retry. Anything else resumes as
-    Initializing, as before (a canary at a step goes on at it from there)."""
-    if status.canary_version is not None and status.rolled_back_at is not None:
+    which did not record it) resumes from, read from what the status kept. Resumed as Initializing
+    instead, a rolled-back canary went on at its step weight without a retry, an aborted experiment
+    stayed Initializing, and a promotion never retired the old stable."""
+    state = status.experiment or {}
+    promoted = status.promoted_at is not None and status.previous_stable is not None
+    retired = promoted and status.previous_stable in status.retired
+    if state and not state.get("removed"):
+        concluded = {experiment.ABORTED: Phase.ROLLED_BACK, experiment.NO_WINNER: Phase.READY,
+                     experiment.WINNER: Phase.SUCCEEDED if retired else Phase.PROMOTING}
+        return concluded.get(str(state.get("state")), Phase.INITIALIZING)
+    if promoted and status.canary_version is not None and status.canary_version == status.stable_version:
+        return Phase.SUCCEEDED if retired else Phase.PROMOTING
+    # Rolled back, and not started again since: earlier operators left rolledBackAt behind when a
+    # canary was retried or replaced, so it counts only if no rollout started after it (an alert
+    # firing at the start rolls back in the same decision: the same time) and the canary has no weight.
+    if (status.canary_version is not None and status.rolled_back_at is not None and status.canary_weight == 0
+            and status.rolled_back_at >= (status.rollout_started_at or 0.0)):
         failed = (status.abort_reason or "").startswith(f"{DEADLINE}:")
         return Phase.FAILED if failed else Phase.ROLLED_BACK
     return Phase.INITIALIZING

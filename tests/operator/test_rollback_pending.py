@@ -10,7 +10,7 @@ children write cut once where a crash would cut it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -316,17 +316,20 @@ def test_a_status_write_whose_answer_was_lost_is_known_by_the_status_it_left(tmp
     assert said == 1, (outcome.events, again.events)
 
 
-def written_by_an_earlier_operator(ports: Ports, rec: Reconciler) -> None:
+def written_by_an_earlier_operator(ports: Ports, rec: Reconciler, good: dict[str, Any] = CANARY,
+                                   bad: dict[str, Any] | None = None,
+                                   tweak: Callable[[RolloutStatus], RolloutStatus] = lambda s: s) -> Outcome:
     """The user saves an invalid spec; the status is then what an operator that did not record
-    phaseBeforeInvalid wrote (this one's, without the field); the user puts the right spec back."""
-    set_spec(ports, {**CANARY, "canary": "v9"})
+    phaseBeforeInvalid wrote (this one's, without the field, changed by ``tweak``); the user puts
+    the right spec back."""
+    set_spec(ports, bad or {**CANARY, "canary": "v9"})
     reconcile(ports, rec)
     old = ports.status()
     assert old.phase == Phase.INVALID_SPEC and old.phase_before_invalid is not None
-    ports.body["status"] = replace(old, phase_before_invalid=None).to_dict()
+    ports.body["status"] = tweak(replace(old, phase_before_invalid=None)).to_dict()
     assert "phaseBeforeInvalid" not in ports.body["status"]
-    set_spec(ports, CANARY)
-    reconcile(ports, rec)
+    set_spec(ports, good)
+    return reconcile(ports, rec)
 
 
 def test_a_rolled_back_canary_stays_rolled_back_after_an_invalid_spec_an_earlier_operator_recorded(
@@ -357,3 +360,77 @@ def test_a_canary_at_a_step_goes_on_at_it_after_an_invalid_spec_an_earlier_opera
     done = ports.status()
     assert done.phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}, done
     assert done.rollout_started_at == before.rollout_started_at and done.current_step == before.current_step
+
+
+@pytest.mark.parametrize("case", ["at its step, no rolloutStartedAt", "waiting for its weight"])
+def test_a_stale_rolled_back_at_from_an_earlier_operator_does_not_freeze_a_running_canary(
+        tmp_path: Path, case: str) -> None:
+    """Found in review: earlier operators left rolledBackAt behind when a rolled-back canary was
+    retried; read as "rolled back", the canary then held its weight with no analysis and no alert
+    check until a retry. A rollback counts only if no rollout started after it and the canary has
+    no weight: each case here is caught by one of the two."""
+    ports, rec, _ = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    before = ports.status()
+    assert before.phase == Phase.PROGRESSING and before.rollout_started_at is not None
+    stale = replace(before, rolled_back_at=before.rollout_started_at - 100, abort_reason="AnalysisFailed: error-rate")
+    if case == "waiting for its weight":  # retried, the step not started yet: weight 0, as after a rollback
+        stale = replace(stale, canary_weight=0, weights={"v1": 100, "v2": 0})
+    else:
+        stale = replace(stale, rollout_started_at=None)
+    written_by_an_earlier_operator(ports, rec, tweak=lambda s: replace(
+        stale, phase=s.phase, message=s.message, conditions=s.conditions, observed_generation=s.observed_generation))
+    done = ports.status()
+    assert done.phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}, done
+
+
+def test_an_aborted_experiment_stays_rolled_back_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    """Found in review: it resumed as Initializing, and stayed there."""
+    ports, rec, looks = setup(tmp_path, EXPERIMENT)
+    for _ in range(2):
+        reconcile(ports, rec)
+    looks.next = failing(0.3, breached=("v2",))
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    bad = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
+    written_by_an_earlier_operator(ports, rec, EXPERIMENT, bad)
+    reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
+
+
+def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    """Found in review: resumed as Initializing, the promotion never retired the old stable."""
+    ports, rec, _ = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.PROMOTING
+    written_by_an_earlier_operator(ports, rec)
+    assert ports.status().phase == Phase.PROMOTING
+    rec.clock.now += 10_000
+    reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.SUCCEEDED and "v1" in done.retired and ports.served() == {"v2": 100}, done
+
+
+def test_a_finished_promotion_stays_succeeded_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    ports, rec, _ = setup(tmp_path, CANARY)
+    for _ in range(3):
+        reconcile(ports, rec)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
+    reconcile(ports, rec)
+    rec.clock.now += 10_000
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}
+    outcome = written_by_an_earlier_operator(ports, rec)
+    rec.clock.now += 10_000
+    later = reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}, done
+    assert "RolloutSucceeded" not in [e.reason for e in (*outcome.events, *later.events)]
