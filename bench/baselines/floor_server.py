@@ -82,6 +82,8 @@ def main() -> None:
             child.kill()
 
     signal.signal(signal.SIGTERM, stop)
+    os.wait()  # the first to exit (a worker that could not bind, or all on SIGTERM) ends them all:
+    stop()  # a floor row never runs on fewer processes than it says
     for child in children:
         child.wait()
 
