@@ -29,13 +29,16 @@ from rollout_operator.verdicts import FAIL, Analysis, MetricResult
 
 T0 = 1_800_000_000.0
 VERSIONS = [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}, {"name": "v3", "uri": "v3.mnn"}]
-ANALYSIS = {"interval": "1s", "failureLimit": 1, "minRequests": 10, "metrics": [{"name": "error-rate", "max": 0.05}]}
-CANARY = {"versions": VERSIONS[:2], "canary": "v2",
-          "strategy": {"steps": [{"weight": 20, "pause": "1h"}, {"weight": 50, "pause": "1h"}], "analysis": ANALYSIS}}
-EXPERIMENT = {"versions": VERSIONS, "stable": "v1", "experiment": {"weights": {"v1": 50, "v2": 25, "v3": 25},
-                                                                    "metric": "conversion", "maxDuration": "1h"},
-              "strategy": {"analysis": {**ANALYSIS, "metrics": [
-                  *ANALYSIS["metrics"], {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01}]}}}
+ANALYSIS: dict[str, Any] = {"interval": "1s", "failureLimit": 1, "minRequests": 10,
+                            "metrics": [{"name": "error-rate", "max": 0.05}]}
+CANARY: dict[str, Any] = {
+    "versions": VERSIONS[:2], "canary": "v2",
+    "strategy": {"steps": [{"weight": 20, "pause": "1h"}, {"weight": 50, "pause": "1h"}], "analysis": ANALYSIS}}
+EXPERIMENT: dict[str, Any] = {
+    "versions": VERSIONS, "stable": "v1",
+    "experiment": {"weights": {"v1": 50, "v2": 25, "v3": 25}, "metric": "conversion", "maxDuration": "1h"},
+    "strategy": {"analysis": {**ANALYSIS, "metrics": [
+        *ANALYSIS["metrics"], {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01}]}}}
 
 
 class Cut(Exception):
@@ -116,12 +119,36 @@ def failing(errors: float, breached: tuple[str, ...] | None = None) -> Analysis:
     return Analysis(T0, FAIL, (metric,), 100, message=f"error-rate {errors} breached 0.05", breached=breached)
 
 
-def cut_rollback(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
-    """A canary at step 1 whose rollback was decided and cut before its routing write (where a
-    crash or the operator's exit would stop it)."""
+def at_step(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
+    """The canary at step 1 (v1 80%, v2 20%)."""
     ports, rec, looks = setup(tmp_path, CANARY)
     for _ in range(3):
         reconcile(ports, rec)
+    return ports, rec, looks
+
+
+def rolled_back(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
+    """The canary rolled back at step 1 on a failing look."""
+    ports, rec, looks = at_step(tmp_path)
+    looks.next = failing(0.3)
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    return ports, rec, looks
+
+
+def promoted(tmp_path: Path) -> tuple[Ports, Reconciler]:
+    """The canary promoted fully by a user at step 1; the old stable not retired yet."""
+    ports, rec, _ = at_step(tmp_path)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.PROMOTING
+    return ports, rec
+
+
+def cut_rollback(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
+    """A canary at step 1 whose rollback was decided and cut before its routing write (where a
+    crash or the operator's exit would stop it)."""
+    ports, rec, looks = at_step(tmp_path)
     looks.next = failing(0.3)
     ports.cut_next_children_write = True
     with pytest.raises(Cut):
@@ -156,9 +183,7 @@ def test_a_rollback_cut_before_its_routing_write_is_finished_by_the_next_reconci
 
 
 def test_an_uncut_rollback_records_the_pending_rollback_then_the_result(tmp_path: Path) -> None:
-    ports, rec, looks = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, looks = at_step(tmp_path)
     before = len(ports.status_writes)
     looks.next = failing(0.3)
     reconcile(ports, rec)
@@ -232,12 +257,7 @@ def test_an_invalid_spec_saved_meanwhile_does_not_drop_a_pending_rollback(tmp_pa
 def test_a_rolled_back_canary_stays_rolled_back_through_an_invalid_spec(tmp_path: Path) -> None:
     """Found in review (older than the pending rollback): after an invalid spec was fixed, a
     rolled-back canary went on at its step weight, without a retry."""
-    ports, rec, looks = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
-    looks.next = failing(0.3)
-    reconcile(ports, rec)
-    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    ports, rec, _ = rolled_back(tmp_path)
     invalid_round_trip(ports, rec)
     assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
     assert ports.status().phase_before_invalid is None
@@ -292,9 +312,7 @@ def test_a_status_write_whose_answer_was_lost_is_known_by_the_status_it_left(tmp
     met the new version (409): the reconcile took it for a conflict, and the rollback's Event and
     metric were never given (the next reconcile found nothing to decide). A 409 after an attempt
     that may have landed now reads the object: its own status there means the write happened."""
-    ports, rec, looks = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, looks = at_step(tmp_path)
     calls, store = [0], ports.store_status
 
     def lost_answer(body: dict[str, Any], status: dict[str, Any]) -> str | None:
@@ -337,12 +355,7 @@ def test_a_rolled_back_canary_stays_rolled_back_after_an_invalid_spec_an_earlier
     """An earlier operator's InvalidSpec status has no phaseBeforeInvalid: resumed as Initializing,
     the rolled-back canary went back to its step weight without a retry. The phase is read from
     what the status kept (rolledBackAt)."""
-    ports, rec, looks = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
-    looks.next = failing(0.3)
-    reconcile(ports, rec)
-    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+    ports, rec, _ = rolled_back(tmp_path)
     written_by_an_earlier_operator(ports, rec)
     done = ports.status()
     assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
@@ -351,9 +364,7 @@ def test_a_rolled_back_canary_stays_rolled_back_after_an_invalid_spec_an_earlier
 
 def test_a_canary_at_a_step_goes_on_at_it_after_an_invalid_spec_an_earlier_operator_recorded(
         tmp_path: Path) -> None:
-    ports, rec, _ = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, _ = at_step(tmp_path)
     before = ports.status()
     assert before.phase == Phase.PROGRESSING and ports.served() == {"v1": 80, "v2": 20}, before
     written_by_an_earlier_operator(ports, rec)
@@ -369,9 +380,7 @@ def test_a_stale_rolled_back_at_from_an_earlier_operator_does_not_freeze_a_runni
     retried; read as "rolled back", the canary then held its weight with no analysis and no alert
     check until a retry. A rollback counts only if no rollout started after it and the canary has
     no weight: each case here is caught by one of the two."""
-    ports, rec, _ = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, _ = at_step(tmp_path)
     before = ports.status()
     assert before.phase == Phase.PROGRESSING and before.rollout_started_at is not None
     stale = replace(before, rolled_back_at=before.rollout_started_at - 100, abort_reason="AnalysisFailed: error-rate")
@@ -404,12 +413,7 @@ def test_an_aborted_experiment_stays_rolled_back_after_an_invalid_spec_an_earlie
 def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earlier_operator_recorded(
         tmp_path: Path) -> None:
     """Found in review: resumed as Initializing, the promotion never retired the old stable."""
-    ports, rec, _ = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
-    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
-    reconcile(ports, rec)
-    assert ports.status().phase == Phase.PROMOTING
+    ports, rec = promoted(tmp_path)
     written_by_an_earlier_operator(ports, rec)
     assert ports.status().phase == Phase.PROMOTING
     rec.clock.now += 10_000
@@ -420,11 +424,7 @@ def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earli
 
 def test_a_finished_promotion_stays_succeeded_after_an_invalid_spec_an_earlier_operator_recorded(
         tmp_path: Path) -> None:
-    ports, rec, _ = setup(tmp_path, CANARY)
-    for _ in range(3):
-        reconcile(ports, rec)
-    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
-    reconcile(ports, rec)
+    ports, rec = promoted(tmp_path)
     rec.clock.now += 10_000
     reconcile(ports, rec)
     assert ports.status().phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}
