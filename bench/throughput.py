@@ -92,6 +92,13 @@ class Row:
         return f"{self.workers} worker{'s' if self.workers != '1' else ''}"
 
     @property
+    def cpu_us_per_request(self) -> float:
+        """Server CPU per request in µs (nan for the in-process row, which has no server)."""
+        if not self.res.rps or self.protocol == "in process":
+            return float("nan")
+        return self.server_cpu / self.res.rps * 1e6
+
+    @property
     def name(self) -> str:
         if self.protocol == "in process":
             return f"{self.server}, in process"
@@ -318,10 +325,9 @@ def report(rows: list[Row], n: int, failures: list[str]) -> None:
     for r in rows:
         errors = "-" if r.res.ok else f"FLAGGED {r.res.errors} ({r.res.detail})"
         shares = f"; {'/'.join(map(str, r.per_worker))}" if len(r.per_worker) > 1 else ""
-        cost = r.server_cpu / r.res.rps * 1e6 if r.res.rps and r.protocol != "in process" else float("nan")
         print(f"{r.name:<42} {r.res.concurrency:>4} {r.res.rps:>9.0f} {r.res.p50:>8.2f} {r.res.p99:>8.2f} "
               f"{cores(r.server_cpu)} {cores(r.busiest_cpu)} {cores(r.res.client_cpu)} {cores(r.other_cpu)} "
-              f"{cost:>7.0f}  {errors}{shares}")
+              f"{r.cpu_us_per_request:>7.0f}  {errors}{shares}")
     print("\n(cores used during the run: srv CPU by the server's process tree, busiest by its busiest process, "
           "gen CPU by the load generator, other by everything else; gRPC/h2load: p50 is h2load's mean, "
           "it reports no p99)")
@@ -385,7 +391,7 @@ def report(rows: list[Row], n: int, failures: list[str]) -> None:
                    f"(rounds {ratios[0]:.1%}-{ratios[-1]:.1%}; raw loop "
                    f"{min(r for _, r in pairs):.0f}-{max(r for _, r in pairs):.0f} calls per core-second)")
         else:
-            raw_rate, _ = raw_calls_per_core(rows)
+            raw_rate = raw_calls_per_core(rows)
             if raw_rate is None:
                 continue
             ratio = rest.res.rps / rest.server_cpu / raw_rate
@@ -401,37 +407,35 @@ def report(rows: list[Row], n: int, failures: list[str]) -> None:
         print(f"\nFAILED, no rows: {failure}")
 
 
-def raw_calls_per_core(rows: list[Row]) -> tuple[float | None, str]:
+def raw_calls_per_core(rows: list[Row]) -> float | None:
     """The raw forward loop's calls per CPU-second: the median of the loops run beside the c=32
-    rounds (see bench_ours), else the run's first loop; and how it was measured."""
+    rounds (see bench_ours), else the run's first loop."""
     beside = sorted(raw for pairs in RAW_BESIDE.values() for _, raw in pairs)
     if beside:
-        return beside[len(beside) // 2], f"median of {len(beside)} loops beside the rounds"
+        return beside[len(beside) // 2]
     raw = find(rows, "raw MNN forward loop", "in process", "1", 1)
-    if raw is None:
-        return None, ""
-    return raw.res.rps / max(raw.server_cpu, 1e-9), "the run's first loop"
+    return raw.res.rps / max(raw.server_cpu, 1e-9) if raw is not None else None
 
 
 def floor_breakdown(rows: list[Row], n: int) -> None:
     """Where a REST JSON request's server CPU goes at c=32: the floor (what a do-nothing responder
     costs here), the forward (the raw loop's cost per call), and the rest (mnn-rollout's own work)."""
+    raw_rate = raw_calls_per_core(rows)
+    if raw_rate is None:
+        return
+    forward = 1e6 / raw_rate
     for w in sorted({"1", str(n)}, key=int):
-        raw_rate, _ = raw_calls_per_core(rows)
         rest = find(rows, "mnn-rollout", "JSON", w)
-        if raw_rate is None:
-            continue
-        forward = 1e6 / raw_rate
         floors = [(kind, f) for kind in ("C", "Python") if (f := find(rows, f"HTTP floor, {kind}", "JSON", w))]
         if rest is None or not floors:
             continue
-        cost = rest.server_cpu / rest.res.rps * 1e6
-        parts = "; ".join(f"a do-nothing responder in {kind} {f.server_cpu / f.res.rps * 1e6:.0f} µs "
+        cost = rest.cpu_us_per_request
+        parts = "; ".join(f"a do-nothing responder in {kind} {f.cpu_us_per_request:.0f} µs "
                           f"({f.res.rps:.0f} req/s)" for kind, f in floors)
         python_floor = dict(floors).get("Python")
         budget = ""
         if python_floor is not None:
-            base = python_floor.server_cpu / python_floor.res.rps * 1e6
+            base = python_floor.cpu_us_per_request
             budget = (f"; above the Python floor: {cost - base:.0f} µs (the forward at the raw loop's speed "
                       f"{forward:.0f} µs); 10% of the raw loop allows {10 * forward:.0f} µs in all, "
                       f"{10 * forward - base:.0f} µs above that floor")

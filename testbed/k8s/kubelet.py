@@ -41,8 +41,10 @@ Simulated (close to a real cluster):
 
 Not simulated: ReplicaSets (pods are owned by the Deployment directly), images (every container
 runs from this checkout), volumes (but an emptyDir mounted at /tmp: the pod's own TMPDIR),
-resources/limits, securityContext, init containers, postStart hooks, grpc probes (pass), ``spec.paused`` beyond "do nothing", scheduling, Endpoints and
-EndpointSlice objects (the proxy reads the pods), ClusterIP allocation, DNS, Events. Use ``namespace=`` / ``label_selector=`` to restrict which Deployments are run.
+resources/limits, securityContext, init containers, postStart hooks, grpc probes (pass),
+``spec.paused`` beyond "do nothing", scheduling, Endpoints and EndpointSlice objects (the proxy
+reads the pods), ClusterIP allocation, DNS, Events. Use ``namespace=`` / ``label_selector=`` to
+restrict which Deployments are run.
 
 Here: the public face (:class:`Kubelet`, :class:`PodInfo`) and the reconcile loop. The parts:
 ``kubelet_runner`` (the pods this node runs), ``kubelet_deployments`` (the deployment controller),
