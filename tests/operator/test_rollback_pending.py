@@ -23,9 +23,10 @@ from rollout_operator import children
 from rollout_operator.kube import ApiError
 from rollout_operator.observe import Observation, PodView
 from rollout_operator.reconcile import Outcome, Reconciler
+from rollout_operator.sequential import BETTER, Comparison
 from rollout_operator.spec import ModelDeploymentSpec
 from rollout_operator.status import ROLLBACK_PENDING, Phase, RolloutStatus, condition
-from rollout_operator.verdicts import FAIL, Analysis, MetricResult
+from rollout_operator.verdicts import FAIL, PASS, Analysis, MetricResult
 
 T0 = 1_800_000_000.0
 VERSIONS = [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": "v2.mnn"}, {"name": "v3", "uri": "v3.mnn"}]
@@ -408,6 +409,28 @@ def test_an_aborted_experiment_stays_rolled_back_after_an_invalid_spec_an_earlie
     reconcile(ports, rec)
     done = ports.status()
     assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
+
+
+def test_an_experiment_winner_is_still_promoted_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    """The experiment's Winner branch: the winner stays stable, and the old stable is still retired
+    (resumed as Initializing, the winner kept its 100% but the old stable never left)."""
+    ports, rec, looks = setup(tmp_path, EXPERIMENT)
+    for _ in range(2):
+        reconcile(ports, rec)
+    better = Comparison(BETTER, 0.2, 0.1, 0.3, 0.6, 0.5, 500, 1000, 0.975, "v2 converts more")
+    looks.next = Analysis(T0, PASS, (), 500, "v2 is better than v1", comparisons={"v2": better}, breached=())
+    reconcile(ports, rec)
+    won = ports.status()
+    assert won.phase == Phase.PROMOTING and (won.experiment or {}).get("state") == "Winner", won
+    assert won.stable_version == "v2" and ports.served() == {"v2": 100}
+    bad = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
+    written_by_an_earlier_operator(ports, rec, EXPERIMENT, bad)
+    assert ports.status().phase == Phase.PROMOTING and ports.served() == {"v2": 100}
+    rec.clock.now += 10_000
+    reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.SUCCEEDED and "v1" in done.retired and ports.served() == {"v2": 100}, done
 
 
 def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earlier_operator_recorded(
