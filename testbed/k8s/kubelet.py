@@ -40,7 +40,8 @@ Simulated (close to a real cluster):
   conditions). A deleted Deployment (directly or by GC) or Pod has its processes ended.
 
 Not simulated: ReplicaSets (pods are owned by the Deployment directly), images (every container
-runs from this checkout), volumes (but an emptyDir mounted at /tmp: the pod's own TMPDIR),
+runs from this checkout), volumes (but an emptyDir is the pod's own directory: mounted at /tmp, its TMPDIR;
+elsewhere, env values naming a path under its mountPath point there),
 resources/limits, securityContext, init containers, postStart hooks, grpc probes (pass),
 ``spec.paused`` beyond "do nothing", scheduling, Endpoints and EndpointSlice objects (the proxy
 reads the pods), ClusterIP allocation, DNS, Events. Use ``namespace=`` / ``label_selector=`` to

@@ -100,7 +100,7 @@ class Container:
             self.next_start = time.monotonic() + self.timing.backoff_base
             return
         argv = self.argv(commands, entrypoint)
-        env = self.full_env = {**base_env, **self.pod.tmp_env(self.spec), **self.env}
+        env = self.full_env = {**base_env, **self.pod.tmp_env(self.spec), **self.pod.mounted_env(self.spec, self.env)}
         self._commands = commands
         log = open(self.pod.log_path, 'ab')
         try:

@@ -90,18 +90,40 @@ class Pod:
         self.last_status: dict[str, Any] | None = None
         self.transitions: dict[str, tuple[str, str]] = {}
 
-    def tmp_env(self, container: dict[str, Any]) -> dict[str, str]:
-        """An emptyDir the container mounts at /tmp is the pod's own directory (kept across the
-        container's restarts, as an emptyDir lives as long as the pod): its processes get it as
-        TMPDIR. The stand-in mounts nothing else; every other path is the host's."""
+    def _empty_dirs(self, container: dict[str, Any]) -> dict[str, Path]:
+        """mountPath -> the pod's own directory, for each emptyDir the container mounts (kept across
+        the container's restarts, as an emptyDir lives as long as the pod)."""
         empty = {v.get('name') for v in (self.template.get('spec') or {}).get('volumes') or []
                  if isinstance(v, dict) and 'emptyDir' in v}
+        out = {}
         for mount in container.get('volumeMounts') or []:
-            if mount.get('mountPath') == '/tmp' and mount.get('name') in empty:
-                path = self.volumes_dir / str(mount['name'])
-                path.mkdir(parents=True, exist_ok=True)
-                return {'TMPDIR': str(path)}
-        return {}
+            if mount.get('name') in empty and mount.get('mountPath'):
+                out[str(mount['mountPath']).rstrip('/') or '/'] = self.volumes_dir / str(mount['name'])
+        return out
+
+    def tmp_env(self, container: dict[str, Any]) -> dict[str, str]:
+        """An emptyDir the container mounts at /tmp is the pod's own directory: its processes get it
+        as TMPDIR."""
+        path = self._empty_dirs(container).get('/tmp')
+        if path is None:
+            return {}
+        path.mkdir(parents=True, exist_ok=True)
+        return {'TMPDIR': str(path)}
+
+    def mounted_env(self, container: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+        """``env`` with each value that is a path under another emptyDir's mountPath moved to the
+        pod's own directory for that volume: a process cannot be given a mount, so a path the
+        container is told about (``MNN_ROLLOUT_MODEL_CACHE=/var/cache/mnn-rollout``) is where its
+        volume lives for this pod, not the host's directory shared by every pod."""
+        mounts = {p: d for p, d in self._empty_dirs(container).items() if p != '/tmp'}
+        out = dict(env)
+        for name, value in env.items():
+            for point, own in sorted(mounts.items(), key=lambda m: -len(m[0])):  # the deepest mount holds it
+                if value == point or value.startswith(point + '/'):
+                    own.mkdir(parents=True, exist_ok=True)
+                    out[name] = str(own) + value[len(point):]
+                    break
+        return out
 
     @property
     def all_ports(self) -> list[int]:

@@ -6,6 +6,7 @@ atomic on the event loop: a watch registered in the same step as a list can neve
 """
 from __future__ import annotations
 
+import base64
 import collections
 import copy
 import dataclasses
@@ -238,8 +239,16 @@ class Store(Lifecycle):
             obj['status'] = {**(obj.get('status') or {}), 'phase': phase}
         if (rd.group, rd.plural) == ('apiextensions.k8s.io', 'customresourcedefinitions'):
             self._admit_crd(obj)
-        if (rd.group, rd.plural) == ('', 'secrets') and not obj.get('type'):
-            obj['type'] = 'Opaque'
+        if (rd.group, rd.plural) == ('', 'secrets'):
+            if not obj.get('type'):
+                obj['type'] = 'Opaque'
+            # stringData is write-only: merged over data (base64), never stored or returned
+            string_data = obj.pop('stringData', None)
+            if string_data is not None:
+                if not isinstance(string_data, dict) or not all(isinstance(v, str) for v in string_data.values()):
+                    raise ApiError.bad_request('stringData must be an object of strings')
+                obj['data'] = {**(obj.get('data') or {}),
+                               **{k: base64.b64encode(v.encode()).decode() for k, v in string_data.items()}}
 
     def _admit_crd(self, crd: dict[str, Any]) -> None:
         spec = crd.get('spec') or {}

@@ -142,6 +142,20 @@ def test_kubectl_imperative_create_commands_work_despite_their_protobuf_bodies(k
     assert unsupported.returncode != 0 and "kind 'Deployment' are not supported" in unsupported.stderr
 
 
+def test_a_secrets_string_data_is_merged_into_its_data_and_never_stored(api, ns):
+    secret = ('apiVersion: v1\nkind: Secret\nmetadata: {name: s}\ndata: {a: b2xk, b: Yg==}\n'
+              'stringData: {a: new, c: "x y"}\n')
+    api.kubectl('-n', ns, 'apply', '--validate=false', '-f', '-', input=secret)
+    stored = ok(api.request('GET', f'/api/v1/namespaces/{ns}/secrets/s'))
+    assert stored['data'] == {'a': 'bmV3', 'b': 'Yg==', 'c': 'eCB5'} and 'stringData' not in stored, stored
+    assert stored['type'] == 'Opaque'
+    api.kubectl('-n', ns, 'patch', 'secret', 's', '--type=merge', '-p', '{"stringData":{"b":"two"}}')
+    assert ok(api.request('GET', f'/api/v1/namespaces/{ns}/secrets/s'))['data']['b'] == 'dHdv'
+    status, body = api.request('POST', f'/api/v1/namespaces/{ns}/secrets',
+                               {'metadata': {'name': 't'}, 'stringData': {'a': 1}})
+    assert status == 400 and 'stringData' in body['message'], body
+
+
 def test_kubectl_scale_uses_the_scale_subresource(api, ns):
     deployment = ('apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec:\n  replicas: 1\n'
                   '  selector: {matchLabels: {app: d}}\n  template:\n    metadata: {labels: {app: d}}\n'

@@ -5,10 +5,6 @@ local S3-compatible server (moto's server mode), never the outside network."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -22,10 +18,11 @@ import pytest
 import yaml
 
 from mnn_rollout.contract.config import VersionSpec
-from mnn_rollout.local.net import free_port, wait_for, write_atomic
+from mnn_rollout.local.net import wait_for, write_atomic
 from mnn_runtime.sources import SourceError, SourceSettings, cache_path, local_file, prune, secure
 from rollout_operator.observe import Observation, PodView
 from tests.runtime_server import RuntimeServer
+from tests.s3_server import moto_s3
 
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
 KEYS = [f"user-{i}" for i in range(40)]
@@ -315,35 +312,9 @@ def test_with_two_workers_the_supervisor_downloads_each_file_once(
 
 @pytest.fixture(scope="module")
 def s3(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A local S3-compatible server that checks signatures (moto with IAM auth on after the
-    setup's requests), a user allowed to read bucket ``models``, and the example v2 in it."""
-    boto3 = pytest.importorskip("boto3")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with log.open("wb") as out:  # the first 4 requests (the IAM setup) need no credentials
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="4"))
-    try:
-        wait_for(lambda: httpx.get(endpoint + "/moto-api/", timeout=1).status_code == 200, 30, "moto",
-                 retry_on=(httpx.HTTPError,))
-        root = {"endpoint_url": endpoint, "region_name": "us-east-1", "aws_access_key_id": "setup",
-                "aws_secret_access_key": "setup"}
-        iam = boto3.client("iam", **root)
-        iam.create_user(UserName="runtime")
-        iam.put_user_policy(UserName="runtime", PolicyName="models", PolicyDocument=json.dumps({
-            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
-        key = iam.create_access_key(UserName="runtime")["AccessKey"]
-        client = boto3.client("s3", **{**root, "aws_access_key_id": key["AccessKeyId"],
-                                       "aws_secret_access_key": key["SecretAccessKey"]})
-        client.create_bucket(Bucket="models")
-        client.put_object(Bucket="models", Key="scorer/v2.mnn", Body=(examples_dir / "v2.mnn").read_bytes())
-        yield {"AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-               "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    """The local S3 server, with the example v2 in bucket ``models``."""
+    with moto_s3(tmp_path_factory.mktemp("moto"), {"scorer/v2.mnn": (examples_dir / "v2.mnn").read_bytes()}) as env:
+        yield env
 
 
 def s3_config(tmp_path: Path, examples_dir: Path) -> Path:
