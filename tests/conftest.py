@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from mnn_rollout.local.net import own_ports
 from tests.runtime_server import RuntimeServer
+
+XDIST_PORTS = 2500  # ports of each pytest-xdist worker's own (below the ephemeral range, 32768+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test``), worker gwN takes its ports from a range of its own, so two
+    workers never get the same port between ``free_port`` and the bind (see ``own_ports``)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        start = 10000 + int(worker[2:]) % 8 * XDIST_PORTS
+        own_ports(range(start, start + XDIST_PORTS))
 
 
 @pytest.fixture(scope="session")

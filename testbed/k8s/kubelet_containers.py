@@ -94,13 +94,13 @@ class Container:
     def start(self, fetch: Fetch, commands: dict[str, list[str]], entrypoint: list[str],
               base_env: dict[str, str], cwd: Path) -> None:
         try:
-            self.env = container_env(self.spec, self.pod.manifest(), fetch)
+            self.env = self.pod.mounted_env(self.spec, container_env(self.spec, self.pod.manifest(), fetch))
         except ContainerConfigError as e:
             self.waiting = ('CreateContainerConfigError', str(e))
             self.next_start = time.monotonic() + self.timing.backoff_base
             return
         argv = self.argv(commands, entrypoint)
-        env = self.full_env = {**base_env, **self.pod.tmp_env(self.spec), **self.pod.mounted_env(self.spec, self.env)}
+        env = self.full_env = {**base_env, **self.pod.tmp_env(self.spec), **self.env}
         self._commands = commands
         log = open(self.pod.log_path, 'ab')
         try:

@@ -5,6 +5,7 @@ pod share one network namespace. Also here: the IPs, the template hash and the n
 """
 import hashlib
 import json
+import os
 import random
 import socket
 import threading
@@ -32,13 +33,24 @@ def random_suffix(n: int = 5) -> str:
 
 # --- loopback addresses ----------------------------------------------------------------------------
 
+def _b_range() -> range:
+    """The second octets this process's stand-ins take addresses from: 20-250, or under pytest-xdist
+    (worker gwN) a slice of its own, so stand-ins in two workers never hand out the same address."""
+    worker = os.environ.get('PYTEST_XDIST_WORKER', '')
+    if worker.startswith('gw') and worker[2:].isdigit():
+        start = 20 + int(worker[2:]) % 8 * 28
+        return range(start, start + 28)
+    return range(20, 251)
+
+
 class IPAllocator:
     """Hands out 127.B.C.D addresses from a random base, never the same one twice (so an address is
     never reused while a dying process may still hold it), never 127.0.0.1, never .0/.1/.255."""
 
     def __init__(self, rng: random.Random | None = None) -> None:
         rng = rng or random.SystemRandom()
-        self.b, self.c, self.d = rng.randint(20, 250), rng.randint(0, 255), 1
+        self.bs = _b_range()
+        self.b, self.c, self.d = rng.choice(self.bs), rng.randint(0, 255), 1
         self.lock = threading.Lock()
 
     def allocate(self, ports: list[int]) -> str:
@@ -48,7 +60,7 @@ class IPAllocator:
                 if self.d > 254:
                     self.d, self.c = 2, (self.c + 1) % 256
                     if self.c == 0:
-                        self.b = 20 + (self.b - 19) % 231
+                        self.b = self.bs[(self.bs.index(self.b) + 1) % len(self.bs)]
                 ip = f'127.{self.b}.{self.c}.{self.d}'
                 if all(port_free(ip, p) for p in ports):
                     return ip

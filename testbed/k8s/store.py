@@ -249,6 +249,11 @@ class Store(Lifecycle):
                     raise ApiError.bad_request('stringData must be an object of strings')
                 obj['data'] = {**(obj.get('data') or {}),
                                **{k: base64.b64encode(v.encode()).decode() for k, v in string_data.items()}}
+            bad = [k for k in obj.get('data') or {} if not re.fullmatch(r'[-._a-zA-Z0-9]+', k)]
+            if bad:
+                raise ApiError.invalid('Secret', obj['metadata'].get('name', ''), [
+                    (f'data[{k}]', f'Invalid value: "{k}": a valid config key must consist of alphanumeric '
+                                   "characters, '-', '_' or '.'") for k in bad])
 
     def _admit_crd(self, crd: dict[str, Any]) -> None:
         spec = crd.get('spec') or {}

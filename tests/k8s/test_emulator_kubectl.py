@@ -154,6 +154,9 @@ def test_a_secrets_string_data_is_merged_into_its_data_and_never_stored(api, ns)
     status, body = api.request('POST', f'/api/v1/namespaces/{ns}/secrets',
                                {'metadata': {'name': 't'}, 'stringData': {'a': 1}})
     assert status == 400 and 'stringData' in body['message'], body
+    status, body = api.request('POST', f'/api/v1/namespaces/{ns}/secrets',
+                               {'metadata': {'name': 't'}, 'stringData': {'a/b': 'x'}})
+    assert status == 422 and 'data[a/b]' in body['message'], body
 
 
 def test_kubectl_scale_uses_the_scale_subresource(api, ns):

@@ -68,7 +68,8 @@ def test_s3_versions_roll_out_with_the_secrets_keys_and_a_file_off_its_digest_ne
             assert versions["v2"]["ready"] and not versions["v3"]["ready"], versions
             assert "sha256" in versions["v3"]["reason"] and sha(files["v1"]) in versions["v3"]["reason"], versions
             cache = pod.log_path.parent / f"{pod.name}.volumes" / "model-cache"
-            assert {p.name[:64] for p in cache.iterdir()} == {sha(files["v1"]), sha(files["v2"])}, pod.name
+            assert sorted(p.name for p in cache.iterdir()) == sorted(
+                f"{sha(files[v])}-{sha(f's3://models/scorer/{v}.mnn'.encode())[:16]}.mnn" for v in ("v1", "v2"))
 
         with Traffic(cluster.pods, users=400, rate=100, connections=2) as traffic:
             cluster.apply(from_s3(cluster, env, files, stable="v1", **canary("v2", 60)))
@@ -78,23 +79,30 @@ def test_s3_versions_roll_out_with_the_secrets_keys_and_a_file_off_its_digest_ne
 
             # A canary whose file is not the one its digest names: never loaded, never routed.
             seen: set[tuple[str, ...]] = set()
+            applied = time.monotonic()
             cluster.apply(from_s3(cluster, env, files, stable="v2", **canary("v3", 12)))
 
-            def failed() -> bool:
+            def look() -> dict[str, Any]:
                 st = cluster.status()
                 seen.add(tuple(sorted(v for v, w in (st.get("weights") or {}).items() if w)))
-                return st.get("phase") == "Failed"
+                return st
 
-            wait_for(lambda: "waiting for v3" in str(cluster.status().get("message")), 30, "v3 waited for")
-            waiting = str(cluster.status().get("message"))
+            def failed() -> bool:
+                return look().get("phase") == "Failed"
+
+            def waiting_for_v3() -> str | None:
+                message = str(look().get("message"))
+                return message if message.startswith("waiting for v3: ") and "sha256" in message else None
+
+            waiting = str(wait_for(waiting_for_v3, 30, "v3 waited for, the reason said", interval=0.2))
             wait_for(failed, 60, "v3 failed at its deadline", interval=0.2)
-            after = time.monotonic()
             time.sleep(1.0)
-            recent = traffic.counts(after)
+            since_applied = traffic.counts(applied)
         st = cluster.status()
     assert "sha256" in waiting and sha(files["v1"]) in waiting, waiting
     assert st["abortReason"].startswith("ProgressDeadlineExceeded: canary v3 not ready within 12s"), st
     assert seen == {("v2",)} and st["weights"] == {"v2": 100, "v3": 0}, (seen, st)
-    assert {v for v, _ in recent} == {"v2"} and {c for _, c in recent} == {200}, recent
+    # from the apply to a second after the deadline: every request on v2, and answered
+    assert {v for v, _ in since_applied} == {"v2"} and {c for _, c in since_applied} == {200}, since_applied
     assert set(traffic.statuses()) == {200}, traffic.statuses()
     assert cluster.configmap_weights().get("v3", 0) == 0

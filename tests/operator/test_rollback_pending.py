@@ -411,26 +411,48 @@ def test_an_aborted_experiment_stays_rolled_back_after_an_invalid_spec_an_earlie
     assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
 
 
-def test_an_experiment_winner_is_still_promoted_after_an_invalid_spec_an_earlier_operator_recorded(
-        tmp_path: Path) -> None:
-    """The experiment's Winner branch: the winner stays stable, and the old stable is still retired
-    (resumed as Initializing, the winner kept its 100% but the old stable never left)."""
+BAD_EXPERIMENT = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
+
+
+def won(tmp_path: Path) -> tuple[Ports, Reconciler]:
+    """The experiment won by v2 on a look: v2 promoted, the old stable not retired yet."""
     ports, rec, looks = setup(tmp_path, EXPERIMENT)
     for _ in range(2):
         reconcile(ports, rec)
     better = Comparison(BETTER, 0.2, 0.1, 0.3, 0.6, 0.5, 500, 1000, 0.975, "v2 converts more")
     looks.next = Analysis(T0, PASS, (), 500, "v2 is better than v1", comparisons={"v2": better}, breached=())
     reconcile(ports, rec)
-    won = ports.status()
-    assert won.phase == Phase.PROMOTING and (won.experiment or {}).get("state") == "Winner", won
-    assert won.stable_version == "v2" and ports.served() == {"v2": 100}
-    bad = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
-    written_by_an_earlier_operator(ports, rec, EXPERIMENT, bad)
+    status = ports.status()
+    assert status.phase == Phase.PROMOTING and (status.experiment or {}).get("state") == "Winner", status
+    assert status.stable_version == "v2" and ports.served() == {"v2": 100}
+    return ports, rec
+
+
+def test_an_experiment_winner_is_still_promoted_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    """The experiment's Winner branch: the winner stays stable, and the old stable is still retired
+    (resumed as Initializing, the winner kept its 100% but the old stable never left)."""
+    ports, rec = won(tmp_path)
+    written_by_an_earlier_operator(ports, rec, EXPERIMENT, BAD_EXPERIMENT)
     assert ports.status().phase == Phase.PROMOTING and ports.served() == {"v2": 100}
     rec.clock.now += 10_000
     reconcile(ports, rec)
     done = ports.status()
     assert done.phase == Phase.SUCCEEDED and "v1" in done.retired and ports.served() == {"v2": 100}, done
+
+
+def test_a_finished_experiment_winner_stays_succeeded_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path) -> None:
+    ports, rec = won(tmp_path)
+    rec.clock.now += 10_000
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.SUCCEEDED and "v1" in ports.status().retired
+    outcome = written_by_an_earlier_operator(ports, rec, EXPERIMENT, BAD_EXPERIMENT)
+    rec.clock.now += 10_000
+    later = reconcile(ports, rec)
+    done = ports.status()
+    assert done.phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}, done
+    assert "RolloutSucceeded" not in [e.reason for e in (*outcome.events, *later.events)]
 
 
 def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earlier_operator_recorded(

@@ -226,11 +226,16 @@ def test_a_full_queue_drops_and_counts_and_the_request_never_waits(registry: Reg
     assert v1 is not None
     x = [np.zeros((1, 64), np.float32)]
     out = v1.infer(x)
-    started = time.perf_counter()
-    queued = [shadow.offer(snap, "v1", False, v1, x, out, None) for _ in range(20)]
-    took = time.perf_counter() - started
+    queued, took = [], []
+    for _ in range(20):
+        started = time.perf_counter()
+        queued.append(shadow.offer(snap, "v1", False, v1, x, out, None))
+        took.append(time.perf_counter() - started)
     try:
-        assert took < 0.05, took  # 20 offers; one v2-slow forward alone takes ~4 ms
+        # One v2-slow forward alone takes ~4 ms: an offer that waited for the full queue would take
+        # that long, and 18 of these 20 meet a full queue. The median, not the sum: a process
+        # descheduled once (the suite runs three at a time on 2 cores) is not an offer that waited.
+        assert sorted(took)[10] < 0.001, took
         assert 2 <= sum(queued) <= 3  # the queue's 2, and maybe one the thread took out at once
         assert counted(registry, "v2-slow", "dropped") == 20 - sum(queued)
         wait_for(lambda: counted(registry, "v2-slow", "compared") == sum(queued), 10, "the queued ones compared")

@@ -28,11 +28,37 @@ def require_loopback(host: str) -> str:
 
 
 _HANDED_OUT: dict[int, None] = {}  # ports this process was given, oldest first (bounded)
+_OWN_PORTS: list[int] = []  # a range of this process's own to take ports from, in turn (see own_ports)
+_next_own = 0
+
+
+def own_ports(ports: range) -> None:
+    """Take this process's ports from ``ports`` from now on, in turn, instead of letting the OS pick.
+    For processes that run beside each other (pytest-xdist's workers): the OS picks from the same
+    ephemeral range for every process, so a port one handed out and has not bound yet could be
+    given to another, or to an outgoing connection; ranges of their own below the ephemeral range
+    (32768-60999 by default) cannot be. Child processes do not inherit it."""
+    global _next_own
+    _OWN_PORTS[:] = list(ports)
+    _next_own = int.from_bytes(os.urandom(2), "big") % max(1, len(_OWN_PORTS))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS picks it), and not one this process was given
-    before: two calls in a row may otherwise get the same port back before either is bound."""
+    """A port nothing listens on right now, and not one this process was given before: two calls in
+    a row may otherwise get the same port back before either is bound. The OS picks it, unless
+    this process has a range of its own (``own_ports``)."""
+    global _next_own
+    if _OWN_PORTS:
+        for _ in range(len(_OWN_PORTS)):
+            port = _OWN_PORTS[_next_own]
+            _next_own = (_next_own + 1) % len(_OWN_PORTS)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            return port
+        raise OSError(f"no free port left in {_OWN_PORTS[0]}-{_OWN_PORTS[-1]}")
     for _ in range(100):
         with socket.socket() as s:
             s.bind((host, 0))
