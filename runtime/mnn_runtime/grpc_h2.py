@@ -15,10 +15,11 @@ streaming calls, server push, priorities (ignored, as RFC 9113 allows).
 Against a hostile peer (the port is on the network): resets of running calls have a budget (rapid
 reset), a header block a size, a count of CONTINUATION frames and a decoded size (decompression
 bombs), the request bytes held across a connection's streams a cap (``MAX_BUFFERED``), a frame
-begun must end within ``FRAME_TIMEOUT`` (slow loris), no control frame walks every open stream, and
-a peer that does not read what it is sent is not read from (``pause_writing``). The receive windows
-are not policed (a peer that overruns them is held by those caps instead).
-"""
+begun must end within ``FRAME_TIMEOUT`` (slow loris), a call's request that stalls between frames is
+let go after ``REQUEST_IDLE_TIMEOUT`` (a swept check, not a timer per call), no control frame walks
+every open stream, and a peer that does not read what it is sent is not read from
+(``pause_writing``). The receive windows are not policed (a peer that overruns them is held by those
+caps instead)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ MAX_CONTINUATIONS = 32  # CONTINUATION frames of one header block (empty ones co
 MAX_BUFFERED = 64 << 20  # request bytes held across a connection's streams (at least twice the message limit)
 RESET_BURST, RESET_RATE = 1000, 100.0  # running calls a client may reset: at once, then per second
 FRAME_TIMEOUT = 30.0  # seconds to finish a frame (the preface, a header block) once begun
+# seconds a call's request may go without data before it is answered DEADLINE_EXCEEDED and its bytes
+# let go: a stalled upload held its stream and its bytes as long as the connection lived (nginx's
+# client_body_timeout is 60 s too). A request that keeps arriving, however slowly, is never cut.
+REQUEST_IDLE_TIMEOUT = 60.0
 
 _FRAME_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
@@ -102,7 +107,7 @@ Handler = Callable[[bytes, dict[str, str]], Awaitable[tuple[bytes, tuple[tuple[s
 
 class _Stream:
     __slots__ = ("id", "headers", "metadata", "chunks", "size", "expected", "send_window", "pending", "task",
-                 "timer", "answered", "remote_closed", "unacked", "handler", "trailers")
+                 "timer", "answered", "remote_closed", "unacked", "handler", "trailers", "heard")
 
     def __init__(self, stream_id: int, send_window: int) -> None:
         self.id = stream_id
@@ -120,6 +125,7 @@ class _Stream:
         self.unacked = 0  # bytes received since our last WINDOW_UPDATE for this stream
         self.handler: Handler | None = None
         self.trailers = b""  # the trailer block, sent once pending data is out
+        self.heard = 0.0  # loop time of the request's last frame (while it is not complete)
 
 
 def _split(headers: list[tuple[str, str]]) -> tuple[dict[str, str], dict[str, str], int]:
@@ -175,6 +181,7 @@ class H2Connection(asyncio.Protocol):
         self.stall: asyncio.TimerHandle | None = None
         self.waiting: dict[int, _Stream] = {}  # streams whose answer waits for the peer's window
         self.most_window = 0  # at least every stream's send_window (that beyond the initial one)
+        self.reads: asyncio.TimerHandle | None = None  # the sweep of stalled requests (_reads_due)
 
     # -- transport -------------------------------------------------------------------------------
 
@@ -200,6 +207,9 @@ class H2Connection(asyncio.Protocol):
         if self.stall is not None:
             self.stall.cancel()
             self.stall = None
+        if self.reads is not None:
+            self.reads.cancel()
+            self.reads = None
         self.server.connections.discard(self)
         for stream in list(self.streams.values()):
             self._cancel(stream)
@@ -447,6 +457,10 @@ class H2Connection(asyncio.Protocol):
         self.server.calls += 1
         if flags & END_STREAM:
             stream.remote_closed = True
+        else:  # its message is still to come: the sweep watches it until it is whole
+            stream.heard = self.loop.time()
+            if self.reads is None:
+                self.reads = self.loop.call_later(REQUEST_IDLE_TIMEOUT, self._reads_due)
         prepared = self._prepared.get(block)
         if prepared is not None and prepared[0] is headers:  # the decoder's cached answer: split already
             _, stream.headers, meta, size = prepared
@@ -492,6 +506,26 @@ class H2Connection(asyncio.Protocol):
                 stream.task = None
             self._answer_error(stream, DEADLINE_EXCEEDED, "deadline exceeded")
 
+    def _reads_due(self) -> None:
+        """Answer each call whose request has had no frame for ``REQUEST_IDLE_TIMEOUT`` (its stream,
+        its held bytes and its window let go: ``_done`` resets a stream the client still sends on);
+        look again when the next one would be due. One timer per connection, not one per call."""
+        self.reads = None
+        if self.closed:
+            return
+        now, due = self.loop.time(), None
+        for stream in list(self.streams.values()):
+            if stream.remote_closed or stream.answered:
+                continue
+            at = stream.heard + REQUEST_IDLE_TIMEOUT
+            if at <= now:
+                self._answer_error(stream, DEADLINE_EXCEEDED, f"the request had no data for "
+                                                              f"{REQUEST_IDLE_TIMEOUT:g} s: the server let it go")
+            elif due is None or at < due:
+                due = at
+        if due is not None:
+            self.reads = self.loop.call_later(due - now, self._reads_due)
+
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         length = len(payload)
         if not stream_id:
@@ -532,6 +566,7 @@ class H2Connection(asyncio.Protocol):
             elif self.streams.get(stream_id) is stream and stream.pending is None:
                 self._forget(stream)
         elif not stream.answered:
+            stream.heard = self.loop.time()
             stream.unacked += length
             if stream.unacked >= STREAM_WINDOW // 2:
                 self._write(frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.unacked)))

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import pytest
 
+from mnn_rollout.local.net import wait_for
 from mnn_runtime import grpc_h2 as h2
 from mnn_runtime import hpack
 from tests.runtime.test_grpc_h2 import HOST, Client, server  # noqa: F401  (``server``: the fixture)
@@ -209,6 +210,31 @@ def test_an_idle_connection_outlives_the_frame_timeout(server: Server, monkeypat
     _send(c, last[-10:])
     headers, data, _ = c.answer(sid)
     assert headers["grpc-status"] == "0" and data == _message(b"")
+
+
+def test_a_stalled_request_is_answered_and_its_bytes_let_go_and_a_slow_one_is_not(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose request stopped coming between frames (its HEADERS and part of its message, then
+    nothing) held its stream and its bytes for as long as the connection lived. One whose message
+    keeps arriving, for longer than the timeout in all, is answered as before."""
+    monkeypatch.setattr(h2, "REQUEST_IDLE_TIMEOUT", 0.4, raising=False)
+    srv = server[0]
+    c = Client(srv.bound_port)
+    stalled = c.call("/t.S/Echo", b"x" * 100, end=False, prefix=struct.pack(">BI", 0, 900))  # 100 of 900 bytes
+    slow = c.call("/t.S/Echo", b"", end=False, prefix=struct.pack(">BI", 0, 600))
+    conn = wait_for(lambda: next(iter(srv.connections), None), 5, "the connection")
+    wait_for(lambda: conn.buffered == 110, 5, "both requests' first bytes held")
+    for i in range(6):  # 1.2 s in all, never 0.4 s without data
+        time.sleep(0.2)
+        _send(c, h2.frame(h2.DATA, h2.END_STREAM if i == 5 else 0, slow, b"z" * 100))
+    headers, data, _ = c.answer(stalled)  # before: never answered (the socket timed out)
+    assert headers["grpc-status"] == str(h2.DEADLINE_EXCEEDED) and "no data for 0.4 s" in headers["grpc-message"]
+    assert data == b""
+    headers, data, kinds = c.answer(slow)
+    assert headers["grpc-status"] == "0" and data == _message(b"z" * 600), headers
+    assert h2.RST_STREAM in kinds  # the stalled stream reset: its client stops sending
+    wait_for(lambda: conn.buffered == 0 and not conn.streams, 5, "the stalled request's bytes let go")
+    wait_for(lambda: conn.reads is None, 5, "the sweep stopped: nothing left to watch")
 
 
 def test_bodies_buffered_across_streams_are_bounded(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
