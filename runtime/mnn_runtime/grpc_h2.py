@@ -56,9 +56,9 @@ MAX_CONTINUATIONS = 32  # CONTINUATION frames of one header block (empty ones co
 MAX_BUFFERED = 64 << 20  # request bytes held across a connection's streams (at least twice the message limit)
 RESET_BURST, RESET_RATE = 1000, 100.0  # running calls a client may reset: at once, then per second
 FRAME_TIMEOUT = 30.0  # seconds to finish a frame (the preface, a header block) once begun
-# seconds a call's request may go without data before it is answered DEADLINE_EXCEEDED and its bytes
-# let go: a stalled upload held its stream and its bytes as long as the connection lived (nginx's
-# client_body_timeout is 60 s too). A request that keeps arriving, however slowly, is never cut.
+# seconds a call's request may go without a byte of its message before it is answered DEADLINE_EXCEEDED
+# and its bytes let go: a stalled upload held its stream and its bytes as long as the connection lived
+# (nginx's client_body_timeout is 60 s too). A request that keeps arriving, however slowly, is never cut.
 REQUEST_IDLE_TIMEOUT = 60.0
 
 _FRAME_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
@@ -182,6 +182,8 @@ class H2Connection(asyncio.Protocol):
         self.waiting: dict[int, _Stream] = {}  # streams whose answer waits for the peer's window
         self.most_window = 0  # at least every stream's send_window (that beyond the initial one)
         self.reads: asyncio.TimerHandle | None = None  # the sweep of stalled requests (_reads_due)
+        self.reading_paused = False  # by pause_writing: the peer's frames are not read meanwhile
+        self.resumed = 0.0  # loop time reading last resumed
 
     # -- transport -------------------------------------------------------------------------------
 
@@ -219,10 +221,13 @@ class H2Connection(asyncio.Protocol):
     def pause_writing(self) -> None:  # a peer that does not read its answers is sent no more
         if self.transport is not None:
             self.transport.pause_reading()
+            self.reading_paused = True
 
     def resume_writing(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
+            self.reading_paused = False
+            self.resumed = self.loop.time()  # the requests' silence is counted from here (_reads_due)
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -507,17 +512,21 @@ class H2Connection(asyncio.Protocol):
             self._answer_error(stream, DEADLINE_EXCEEDED, "deadline exceeded")
 
     def _reads_due(self) -> None:
-        """Answer each call whose request has had no frame for ``REQUEST_IDLE_TIMEOUT`` (its stream,
+        """Answer each call whose request has had no bytes for ``REQUEST_IDLE_TIMEOUT`` (its stream,
         its held bytes and its window let go: ``_done`` resets a stream the client still sends on);
-        look again when the next one would be due. One timer per connection, not one per call."""
+        look again when the next one would be due. One timer per connection, not one per call. Not
+        while reading is paused (a peer not reading its answers), nor counting the time it was."""
         self.reads = None
         if self.closed:
             return
         now, due = self.loop.time(), None
+        if self.reading_paused:  # we are not reading what it sends: no request is stalled by the client
+            self.reads = self.loop.call_later(REQUEST_IDLE_TIMEOUT, self._reads_due)
+            return
         for stream in list(self.streams.values()):
             if stream.remote_closed or stream.answered:
                 continue
-            at = stream.heard + REQUEST_IDLE_TIMEOUT
+            at = max(stream.heard, self.resumed) + REQUEST_IDLE_TIMEOUT
             if at <= now:
                 self._answer_error(stream, DEADLINE_EXCEEDED, f"the request had no data for "
                                                               f"{REQUEST_IDLE_TIMEOUT:g} s: the server let it go")
@@ -566,7 +575,8 @@ class H2Connection(asyncio.Protocol):
             elif self.streams.get(stream_id) is stream and stream.pending is None:
                 self._forget(stream)
         elif not stream.answered:
-            stream.heard = self.loop.time()
+            if payload:  # bytes of its message (not an empty or padding-only frame): it is still coming
+                stream.heard = self.loop.time()
             stream.unacked += length
             if stream.unacked >= STREAM_WINDOW // 2:
                 self._write(frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.unacked)))

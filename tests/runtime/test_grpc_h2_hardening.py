@@ -217,22 +217,37 @@ def test_a_stalled_request_is_answered_and_its_bytes_let_go_and_a_slow_one_is_no
     """A call whose request stopped coming between frames (its HEADERS and part of its message, then
     nothing) held its stream and its bytes for as long as the connection lived. One whose message
     keeps arriving, for longer than the timeout in all, is answered as before."""
-    monkeypatch.setattr(h2, "REQUEST_IDLE_TIMEOUT", 0.4, raising=False)
+    monkeypatch.setattr(h2, "REQUEST_IDLE_TIMEOUT", 0.8, raising=False)
     srv = server[0]
     c = Client(srv.bound_port)
     stalled = c.call("/t.S/Echo", b"x" * 100, end=False, prefix=struct.pack(">BI", 0, 900))  # 100 of 900 bytes
     slow = c.call("/t.S/Echo", b"", end=False, prefix=struct.pack(">BI", 0, 600))
+    _send(c, h2.frame(h2.DATA, 0, slow, b"z" * 100))
     conn = wait_for(lambda: next(iter(srv.connections), None), 5, "the connection")
-    wait_for(lambda: conn.buffered == 110, 5, "both requests' first bytes held")
-    for i in range(6):  # 1.2 s in all, never 0.4 s without data
+    wait_for(lambda: conn.buffered == 210, 5, "both requests' first bytes held")
+    for i in range(7):  # 1.4 s more, never 0.8 s without bytes, and empty frames between them
         time.sleep(0.2)
-        _send(c, h2.frame(h2.DATA, h2.END_STREAM if i == 5 else 0, slow, b"z" * 100))
-    headers, data, _ = c.answer(stalled)  # before: never answered (the socket timed out)
-    assert headers["grpc-status"] == str(h2.DEADLINE_EXCEEDED) and "no data for 0.4 s" in headers["grpc-message"]
-    assert data == b""
-    headers, data, kinds = c.answer(slow)
-    assert headers["grpc-status"] == "0" and data == _message(b"z" * 600), headers
-    assert h2.RST_STREAM in kinds  # the stalled stream reset: its client stops sending
+        _send(c, h2.frame(h2.DATA, 0, stalled, b""))  # no bytes: not a sign of life
+        _send(c, h2.frame(h2.DATA, h2.END_STREAM if i == 6 else 0, slow, b"z" * (100 if i < 5 else 0)))
+    frames: list[tuple[int, int]] = []  # (stream, kind) as they came, until the slow call's answer ends
+    headers: dict[int, dict[str, str]] = {}
+    data = b""
+    while not frames or frames[-1] != (slow, -1):
+        kind, flags, sid, payload = c.frame()
+        if kind == h2.HEADERS:
+            headers[sid] = dict(c.decoder.decode(payload))
+        data += payload if kind == h2.DATA and sid == slow else b""
+        if kind in (h2.HEADERS, h2.DATA, h2.RST_STREAM):
+            frames.append((sid, kind))
+        if sid == slow and kind == h2.HEADERS and flags & h2.END_STREAM:
+            frames.append((slow, -1))
+    # The stalled call answered (trailers only) and reset, its client told to stop sending, before
+    # the slow one's answer began. Before: never answered. Refreshed by its empty frames: after it.
+    assert [k for sid, k in frames if sid == stalled] == [h2.HEADERS, h2.RST_STREAM], frames
+    assert frames.index((stalled, h2.RST_STREAM)) < frames.index((slow, h2.HEADERS)), frames
+    assert headers[stalled]["grpc-status"] == str(h2.DEADLINE_EXCEEDED), headers
+    assert "no data for 0.8 s" in headers[stalled]["grpc-message"], headers
+    assert headers[slow]["grpc-status"] == "0" and data == _message(b"z" * 600), headers
     wait_for(lambda: conn.buffered == 0 and not conn.streams, 5, "the stalled request's bytes let go")
     wait_for(lambda: conn.reads is None, 5, "the sweep stopped: nothing left to watch")
 
