@@ -252,6 +252,32 @@ def test_a_stalled_request_is_answered_and_its_bytes_let_go_and_a_slow_one_is_no
     wait_for(lambda: conn.reads is None, 5, "the sweep stopped: nothing left to watch")
 
 
+def test_a_request_is_not_cut_while_the_server_stops_reading_its_client(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that does not read its answers is not read from meanwhile (pause_writing): its
+    upload is then silent through no fault of its own, and is not cut; the silence counts from
+    when reading resumes."""
+    monkeypatch.setattr(h2, "REQUEST_IDLE_TIMEOUT", 1.5, raising=False)
+    srv = server[0]
+    c = Client(srv.bound_port, window=1 << 30)
+    _send(c, h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30)))
+    upload = c.call("/t.S/Echo", b"x" * 100, end=False, prefix=struct.pack(">BI", 0, 900))  # 100 of 900 bytes
+    conn = wait_for(lambda: next(iter(srv.connections), None), 5, "the connection")
+    wait_for(lambda: conn.buffered == 105, 5, "the upload's first bytes held")
+    big = c.call("/t.S/Echo", b"y" * 1000, {"x-repeat": "20000"})  # a 20 MB answer, not read for now
+    wait_for(lambda: conn.reading_paused, 10, "the server stops reading its client")
+    armed = conn.reads
+    assert armed is not None
+    wait_for(lambda: conn.reads is not None and conn.reads.when() > armed.when(), 5,
+             "a sweep ran while reading was paused")
+    assert upload in conn.streams and not conn.streams[upload].answered  # before: cut (DEADLINE_EXCEEDED)
+    headers, data, _ = c.answer(big)
+    assert headers["grpc-status"] == "0" and len(data) == 5 + 20_000_000
+    _send(c, h2.frame(h2.DATA, h2.END_STREAM, upload, b"x" * 800))
+    headers, data, _ = c.answer(upload)
+    assert headers["grpc-status"] == "0" and data == _message(b"x" * 900), headers
+
+
 def test_bodies_buffered_across_streams_are_bounded(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each stream was held to the message limit, but nothing held the sum: 1000 streams times
     ``max_body_bytes`` (16 MB by default) of half-sent bodies, inside every flow-control window
