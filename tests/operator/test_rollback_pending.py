@@ -40,6 +40,7 @@ EXPERIMENT: dict[str, Any] = {
     "experiment": {"weights": {"v1": 50, "v2": 25, "v3": 25}, "metric": "conversion", "maxDuration": "1h"},
     "strategy": {"analysis": {**ANALYSIS, "metrics": [
         *ANALYSIS["metrics"], {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01}]}}}
+BAD_EXPERIMENT = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
 
 
 class Cut(Exception):
@@ -135,15 +136,6 @@ def rolled_back(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
     reconcile(ports, rec)
     assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
     return ports, rec, looks
-
-
-def promoted(tmp_path: Path) -> tuple[Ports, Reconciler]:
-    """The canary promoted fully by a user at step 1; the old stable not retired yet."""
-    ports, rec, _ = at_step(tmp_path)
-    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
-    reconcile(ports, rec)
-    assert ports.status().phase == Phase.PROMOTING
-    return ports, rec
 
 
 def cut_rollback(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
@@ -404,18 +396,15 @@ def test_an_aborted_experiment_stays_rolled_back_after_an_invalid_spec_an_earlie
     looks.next = failing(0.3, breached=("v2",))
     reconcile(ports, rec)
     assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
-    bad = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
-    written_by_an_earlier_operator(ports, rec, EXPERIMENT, bad)
+    written_by_an_earlier_operator(ports, rec, EXPERIMENT, BAD_EXPERIMENT)
     reconcile(ports, rec)
     done = ports.status()
     assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
 
 
-BAD_EXPERIMENT = {**EXPERIMENT, "experiment": {**EXPERIMENT["experiment"], "weights": {"v1": 50, "v9": 50}}}
-
-
-def won(tmp_path: Path) -> tuple[Ports, Reconciler]:
-    """The experiment won by v2 on a look: v2 promoted, the old stable not retired yet."""
+def experiment_won(tmp_path: Path) -> tuple[Ports, Reconciler, dict[str, Any], dict[str, Any]]:
+    """The experiment won by v2 on a look: v2 promoted, the old stable not retired yet; with the spec
+    to put back and an invalid one."""
     ports, rec, looks = setup(tmp_path, EXPERIMENT)
     for _ in range(2):
         reconcile(ports, rec)
@@ -425,15 +414,29 @@ def won(tmp_path: Path) -> tuple[Ports, Reconciler]:
     status = ports.status()
     assert status.phase == Phase.PROMOTING and (status.experiment or {}).get("state") == "Winner", status
     assert status.stable_version == "v2" and ports.served() == {"v2": 100}
-    return ports, rec
+    return ports, rec, EXPERIMENT, BAD_EXPERIMENT
 
 
-def test_an_experiment_winner_is_still_promoted_after_an_invalid_spec_an_earlier_operator_recorded(
-        tmp_path: Path) -> None:
-    """The experiment's Winner branch: the winner stays stable, and the old stable is still retired
-    (resumed as Initializing, the winner kept its 100% but the old stable never left)."""
-    ports, rec = won(tmp_path)
-    written_by_an_earlier_operator(ports, rec, EXPERIMENT, BAD_EXPERIMENT)
+def canary_promoted(tmp_path: Path) -> tuple[Ports, Reconciler, dict[str, Any], dict[str, Any]]:
+    """The canary promoted fully by a user at step 1; the old stable not retired yet; with the spec
+    to put back and an invalid one."""
+    ports, rec, _ = at_step(tmp_path)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.PROMOTING
+    return ports, rec, CANARY, {**CANARY, "canary": "v9"}
+
+
+# The canary promotion and the experiment's Winner branch: resumed as Initializing, the promotion
+# never retired the old stable (found in review); the winner kept its 100% but the old stable never left.
+PROMOTIONS = pytest.mark.parametrize("promotion", [canary_promoted, experiment_won], ids=["canary", "experiment"])
+
+
+@PROMOTIONS
+def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path, promotion: Callable[[Path], tuple[Ports, Reconciler, dict[str, Any], dict[str, Any]]]) -> None:
+    ports, rec, good, bad = promotion(tmp_path)
+    written_by_an_earlier_operator(ports, rec, good, bad)
     assert ports.status().phase == Phase.PROMOTING and ports.served() == {"v2": 100}
     rec.clock.now += 10_000
     reconcile(ports, rec)
@@ -441,39 +444,15 @@ def test_an_experiment_winner_is_still_promoted_after_an_invalid_spec_an_earlier
     assert done.phase == Phase.SUCCEEDED and "v1" in done.retired and ports.served() == {"v2": 100}, done
 
 
-def test_a_finished_experiment_winner_stays_succeeded_after_an_invalid_spec_an_earlier_operator_recorded(
-        tmp_path: Path) -> None:
-    ports, rec = won(tmp_path)
+@PROMOTIONS
+def test_a_finished_promotion_stays_succeeded_after_an_invalid_spec_an_earlier_operator_recorded(
+        tmp_path: Path, promotion: Callable[[Path], tuple[Ports, Reconciler, dict[str, Any], dict[str, Any]]]) -> None:
+    ports, rec, good, bad = promotion(tmp_path)
     rec.clock.now += 10_000
     reconcile(ports, rec)
     assert ports.status().phase == Phase.SUCCEEDED and "v1" in ports.status().retired
-    outcome = written_by_an_earlier_operator(ports, rec, EXPERIMENT, BAD_EXPERIMENT)
-    rec.clock.now += 10_000
-    later = reconcile(ports, rec)
-    done = ports.status()
-    assert done.phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}, done
-    assert "RolloutSucceeded" not in [e.reason for e in (*outcome.events, *later.events)]
-
-
-def test_a_promotion_still_retires_the_old_stable_after_an_invalid_spec_an_earlier_operator_recorded(
-        tmp_path: Path) -> None:
-    """Found in review: resumed as Initializing, the promotion never retired the old stable."""
-    ports, rec = promoted(tmp_path)
-    written_by_an_earlier_operator(ports, rec)
-    assert ports.status().phase == Phase.PROMOTING
-    rec.clock.now += 10_000
-    reconcile(ports, rec)
-    done = ports.status()
-    assert done.phase == Phase.SUCCEEDED and "v1" in done.retired and ports.served() == {"v2": 100}, done
-
-
-def test_a_finished_promotion_stays_succeeded_after_an_invalid_spec_an_earlier_operator_recorded(
-        tmp_path: Path) -> None:
-    ports, rec = promoted(tmp_path)
-    rec.clock.now += 10_000
-    reconcile(ports, rec)
-    assert ports.status().phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}
-    outcome = written_by_an_earlier_operator(ports, rec)
+    assert ports.served() == {"v2": 100}
+    outcome = written_by_an_earlier_operator(ports, rec, good, bad)
     rec.clock.now += 10_000
     later = reconcile(ports, rec)
     done = ports.status()
