@@ -10,18 +10,22 @@ from pathlib import Path
 import pytest
 
 from mnn_rollout.local.net import own_ports
+from testbed.k8s.kubelet_pods import own_addresses
 from tests.runtime_server import RuntimeServer
 
 XDIST_PORTS = 2500  # ports of each pytest-xdist worker's own (below the ephemeral range, 32768+)
+XDIST_OCTETS = 28  # second octets of each worker's own pod addresses (127.B.*.*, B in 20-250)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (``make test``), worker gwN takes its ports from a range of its own, so two
-    workers never get the same port between ``free_port`` and the bind (see ``own_ports``)."""
+    """Under pytest-xdist (``make test``), worker gwN takes its ports and its stand-in pods'
+    addresses from ranges of its own, so two workers never get the same port between
+    ``free_port`` and the bind (see ``own_ports``), nor the same pod address."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit():
-        start = 10000 + int(worker[2:]) % 8 * XDIST_PORTS
-        own_ports(range(start, start + XDIST_PORTS))
+        slot = int(worker[2:]) % 8
+        own_ports(range(10000 + slot * XDIST_PORTS, 10000 + (slot + 1) * XDIST_PORTS))
+        own_addresses(range(20 + slot * XDIST_OCTETS, 20 + (slot + 1) * XDIST_OCTETS))
 
 
 @pytest.fixture(scope="session")

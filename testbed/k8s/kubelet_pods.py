@@ -5,7 +5,6 @@ pod share one network namespace. Also here: the IPs, the template hash and the n
 """
 import hashlib
 import json
-import os
 import random
 import socket
 import threading
@@ -33,14 +32,15 @@ def random_suffix(n: int = 5) -> str:
 
 # --- loopback addresses ----------------------------------------------------------------------------
 
-def _b_range() -> range:
-    """The second octets this process's stand-ins take addresses from: 20-250, or under pytest-xdist
-    (worker gwN) a slice of its own, so stand-ins in two workers never hand out the same address."""
-    worker = os.environ.get('PYTEST_XDIST_WORKER', '')
-    if worker.startswith('gw') and worker[2:].isdigit():
-        start = 20 + int(worker[2:]) % 8 * 28
-        return range(start, start + 28)
-    return range(20, 251)
+_B_RANGE = range(20, 251)  # the second octets IPAllocator takes addresses from (see own_addresses)
+
+
+def own_addresses(bs: range) -> None:
+    """Take this process's pod addresses from 127.B.*.* with B in ``bs`` only: processes running
+    stand-ins beside each other (pytest-xdist's workers) given slices of their own never hand out
+    the same address."""
+    global _B_RANGE
+    _B_RANGE = bs
 
 
 class IPAllocator:
@@ -49,7 +49,7 @@ class IPAllocator:
 
     def __init__(self, rng: random.Random | None = None) -> None:
         rng = rng or random.SystemRandom()
-        self.bs = _b_range()
+        self.bs = _B_RANGE
         self.b, self.c, self.d = rng.choice(self.bs), rng.randint(0, 255), 1
         self.lock = threading.Lock()
 
@@ -127,10 +127,11 @@ class Pod:
         pod's own directory for that volume: a process cannot be given a mount, so a path the
         container is told about (``MNN_ROLLOUT_MODEL_CACHE=/var/cache/mnn-rollout``) is where its
         volume lives for this pod, not the host's directory shared by every pod."""
-        mounts = {p: d for p, d in self._empty_dirs(container).items() if p != '/tmp'}
+        deepest_first = sorted(((p, d) for p, d in self._empty_dirs(container).items() if p != '/tmp'),
+                               key=lambda m: -len(m[0]))  # the deepest mount holds a path
         out = dict(env)
         for name, value in env.items():
-            for point, own in sorted(mounts.items(), key=lambda m: -len(m[0])):  # the deepest mount holds it
+            for point, own in deepest_first:
                 if value == point or value.startswith(point + '/'):
                     own.mkdir(parents=True, exist_ok=True)
                     out[name] = str(own) + value[len(point):]
