@@ -181,7 +181,7 @@ def _children_cpu() -> float:
 
 
 # gRPC: a closed loop of `concurrency` callers, each on its own channel (its own connection, so
-# that the kernel spreads them over SO_REUSEPORT workers), requests pre-serialized.
+# that the supervisor deals them out over the workers), requests pre-serialized.
 
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
 

@@ -30,6 +30,11 @@ seconds for wrk. mnn-rollout rows also show the requests each worker process ser
 its multiprocess metric files). Then (unless ``--no-open-loop``) latency at fixed rates (25, 50
 and 75% of mnn-rollout's JSON maximum at c=32 with N workers; ``bench/openloop.py``): mnn-rollout
 REST and gRPC with N workers, MLServer (parallel_workers=0, its best) REST at the same rates.
+
+``--batching`` turns on dynamic batching for every version mnn-rollout serves (the runtime config's
+``batching: {}``: Triton's defaults, at most 32 rows and no queue delay, so only requests already
+waiting when a forward starts run in it). It is off by default, as it is for a user's versions: the
+rows without it are the ones the issue's targets were set against.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -443,6 +449,15 @@ def floor_breakdown(rows: list[Row], n: int) -> None:
               f"{parts}{budget}")
 
 
+def batch_every_version(config: Path) -> None:
+    """Dynamic batching on, with the runtime's defaults, for every version in ``config``."""
+    spec = yaml.safe_load(config.read_text())
+    for version in spec["versions"]:
+        version["batching"] = {}
+    config.write_text(yaml.safe_dump(spec))
+    print("  mnn-rollout: every version batches (max_batch_size 32, max_queue_delay_microseconds 0)", flush=True)
+
+
 def open_loop(root: Path, model: Path, n: int, rows: list[Row], seconds: float, given_max: float | None) -> None:
     """Latency at 25, 50 and 75% of mnn-rollout's JSON maximum (c=32, N workers; or ``given_max``):
     mnn-rollout REST and gRPC (interleaved at each rate), then MLServer (parallel_workers=0) REST."""
@@ -502,6 +517,8 @@ def main() -> None:
     parser.add_argument("--no-open-loop", action="store_true", help="closed loops only")
     parser.add_argument("--open-max", type=float, default=None,
                         help="the maximum the open-loop rates are shares of (default: this run's JSON c=32 row)")
+    parser.add_argument("--batching", action="store_true",
+                        help="mnn-rollout's versions batch (max 32 rows, no queue delay)")
     args = parser.parse_args()
     only = set(args.only.split(","))
     n = args.workers
@@ -512,6 +529,8 @@ def main() -> None:
         root = Path(tmp)
         build_examples(root)
         model = root / "v1.mnn"
+        if args.batching:
+            batch_every_version(root / "runtime.yaml")
         if "raw" in only:
             busy = machine_busy_seconds()
             rps, p50, p99, per_cpu_second = raw_loop(model, args.seconds)

@@ -765,9 +765,9 @@ class GrpcServer:
         self.calls = 0  # calls received, over every connection (per process)
         self._idle = asyncio.Event()
 
-    async def bind(self, host: str, port: int, reuse_port: bool = False, backlog: int = 1024) -> int:
+    async def bind(self, host: str, port: int, backlog: int = 1024) -> int:
         """Listen on ``host:port`` (every address it resolves to, on one port); raises OSError when
-        the port is taken (unless every holder set ``reuse_port``: SO_REUSEPORT)."""
+        the port is taken."""
         infos = await self.loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         both = len({info[0] for info in infos}) > 1  # IPv4 and IPv6: each socket takes its own family only
         seen = set()
@@ -778,8 +778,6 @@ class GrpcServer:
             sock = socket.socket(family, kind, proto)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if reuse_port:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 if family == socket.AF_INET6 and both:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 sock.bind((address[0], self.bound_port or port, *address[2:]))
@@ -792,18 +790,33 @@ class GrpcServer:
             self.servers.append(await self.loop.create_server(lambda: H2Connection(self), sock=sock))
         return self.bound_port
 
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve a connection accepted elsewhere (``serve --workers``: the supervisor accepts and
+        deals them out); one that comes while draining is closed."""
+        if self.draining:
+            sock.close()
+            return
+        sock.setblocking(False)
+        task = self.loop.create_task(self.loop.connect_accepted_socket(lambda: H2Connection(self), sock))
+        task.add_done_callback(_log_failed_adoption)
+
     def close(self) -> None:
         for server in self.servers:
             server.close()
 
+    def drain(self) -> None:
+        """No new connections or calls: GOAWAY every connection (each closes once its running calls
+        are answered; its client reconnects, elsewhere)."""
+        self.draining = True
+        self.close()
+        for conn in list(self.connections):
+            conn.goaway(NO_ERROR)
+
     async def stop(self, grace: float | None = 10.0) -> None:
         """Stop taking connections, GOAWAY every one (no new calls), let running calls finish for
         up to ``grace`` seconds, then close what is left."""
-        self.draining = True
-        self.close()
         self._idle.clear()
-        for conn in list(self.connections):
-            conn.goaway(NO_ERROR)
+        self.drain()
         if grace and any(c.streams for c in self.connections):
             try:
                 await asyncio.wait_for(self._idle.wait(), grace)
@@ -817,3 +830,8 @@ class GrpcServer:
     def _connection_closed(self) -> None:
         if not any(c.streams for c in self.connections if not c.closed):
             self._idle.set()
+
+
+def _log_failed_adoption(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a handed-over gRPC connection could not be served: %s", task.exception())

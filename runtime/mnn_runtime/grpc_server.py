@@ -208,15 +208,18 @@ class InferenceServicer:
                 ((VERSION_METADATA, result.version),) if result.version else ())
 
 
-async def start_grpc(dataplane: DataPlane, host: str, port: int, reuse_port: bool = False) -> GrpcServer:
+async def start_grpc(dataplane: DataPlane, host: str, port: int | None) -> GrpcServer:
     """Start serving OIP v2 gRPC on ``host:port`` in the running event loop. Port 0 picks a free
-    port: read it from ``server.bound_port``. A port in use is an OSError, unless ``reuse_port``
-    (``serve --workers``: every worker binds the port and the kernel spreads connections)."""
+    port: read it from ``server.bound_port``. A port in use is an OSError. Port None listens nowhere: the connections are handed to ``server.adopt`` (a worker of
+    ``serve --workers``, whose supervisor accepts them)."""
     server = GrpcServer(InferenceServicer(dataplane).handlers(),
                         lambda: dataplane.registry.snapshot.config.server.max_body_bytes)
+    if port is None:
+        log.info("serving OIP v2 gRPC on the connections the supervisor hands over")
+        return server
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = await server.bind(host, port, reuse_port)
+        bound = await server.bind(host, port)
     except OSError as exc:
         raise OSError(f"gRPC: cannot bind {address}: {exc}") from None
     log.info("serving OIP v2 gRPC on %s:%s", host, bound)
@@ -232,16 +235,16 @@ async def serve_with_uvicorn(
     server: uvicorn.Server,
     dataplane: DataPlane,
     host: str,
-    grpc_port: int,
+    grpc_port: int | None,
     sockets: list[socket.socket] | None = None,
-    reuse_port: bool = False,
     grace: float = 10.0,
     started: Callable[[GrpcServer], None] | None = None,
 ) -> None:
-    """Serve gRPC beside ``server`` (uvicorn) on the running loop until uvicorn exits. Shutdown
-    (SIGTERM) drains both at once: gRPC stops taking RPCs and finishes running ones for up to
-    ``grace`` seconds while uvicorn drains HTTP."""
-    grpc_server = await start_grpc(dataplane, host, grpc_port, reuse_port)
+    """Serve gRPC beside ``server`` (uvicorn) on the running loop until uvicorn exits (``grpc_port``
+    None: on connections handed to it, see ``start_grpc``). Shutdown (SIGTERM) drains both at once:
+    gRPC stops taking RPCs and finishes running ones for up to ``grace`` seconds while uvicorn
+    drains HTTP."""
+    grpc_server = await start_grpc(dataplane, host, grpc_port)
     if started is not None:
         started(grpc_server)
 
@@ -258,23 +261,24 @@ async def serve_with_uvicorn(
         await stopper
 
 
-def run_with_uvicorn(server: uvicorn.Server, dataplane: DataPlane, host: str, grpc_port: int,
-                     reuse_port: bool = False) -> None:
-    """``server.run()`` with gRPC on the same event loop (uvicorn's loop factory: uvloop)."""
+def run_with_uvicorn(server: uvicorn.Server, dataplane: DataPlane, host: str, grpc_port: int | None,
+                     started: Callable[[GrpcServer], None] | None = None) -> None:
+    """``server.run()`` with gRPC on the same event loop (uvicorn's loop factory: uvloop);
+    ``started`` is given the gRPC server once it serves."""
     with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
-        runner.run(serve_with_uvicorn(server, dataplane, host, grpc_port, None, reuse_port))
+        runner.run(serve_with_uvicorn(server, dataplane, host, grpc_port, started=started))
 
 
 class GrpcThread:
     """The gRPC server on an event loop of its own in a daemon thread, for callers that run no
     loop of their own (tests, or a server whose loop is not at hand)."""
 
-    def __init__(self, dataplane: DataPlane, host: str, port: int, reuse_port: bool = False) -> None:
+    def __init__(self, dataplane: DataPlane, host: str, port: int) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc", daemon=True)
         self._thread.start()
         try:
-            self.server = asyncio.run_coroutine_threadsafe(start_grpc(dataplane, host, port, reuse_port), self.loop).result(30)
+            self.server = asyncio.run_coroutine_threadsafe(start_grpc(dataplane, host, port), self.loop).result(30)
         except BaseException:
             self._close_loop()
             raise
@@ -290,8 +294,8 @@ class GrpcThread:
         self.loop.close()
 
 
-def serve_grpc_in_thread(dataplane: DataPlane, host: str, port: int, reuse_port: bool = False) -> GrpcThread:
-    return GrpcThread(dataplane, host, port, reuse_port)
+def serve_grpc_in_thread(dataplane: DataPlane, host: str, port: int) -> GrpcThread:
+    return GrpcThread(dataplane, host, port)
 
 
 __all__ = ["InferenceServicer", "GrpcThread", "request_object", "infer_response", "run_with_uvicorn",

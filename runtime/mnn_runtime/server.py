@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import uvicorn
 
@@ -29,8 +29,12 @@ from .metrics import RuntimeMetrics
 from .registry import Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
-from .workers_channel import CONFIG_MESSAGE, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, send_message
+from .workers_channel import (CONFIG_MESSAGE, GRPC_CONNECTION, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE,
+                              send_message)
 from .rest import create_app
+
+if TYPE_CHECKING:
+    from .grpc_h2 import GrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +137,10 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     engine.fork_parent(True)  # no MNN thread pool or GPU here: a worker forked after one would hang
     runtime = build()  # models loaded and warmed before the fork: shared copy-on-write
     sock = bind(host, port)
+    grpc_sock = bind(host, grpc_port) if grpc_port is not None else None  # gRPC's are dealt out too
     log.info("serving on %s:%s with %d workers", host, port, workers)
+    if grpc_sock is not None:
+        log.info("serving OIP v2 gRPC on %s:%s with %d workers", host, grpc_sock.getsockname()[1], workers)
 
     def serve_one(channel: Any, ready_fd: int) -> None:
         runtime.registry.load_new = False  # a worker never loads: the supervisor does, once
@@ -168,7 +175,7 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         (so that they share this copy instead of their own)."""
         return bool(runtime.registry.reload_now(names))
 
-    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply, reload=reload)
+    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply, reload=reload, grpc_sock=grpc_sock)
 
     def offload(names: list[str], reason: str) -> None:
         def unload() -> None:  # on the supervisor's thread, which forks: never during a fork
@@ -218,6 +225,7 @@ class _Server(uvicorn.Server):
         self.on_offload: Callable[[list[str], str], object] | None = None  # versions the supervisor unloaded
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
+        self.grpc: GrpcServer | None = None  # serve --grpc-port: its connections come over ``channel`` too
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -278,6 +286,12 @@ class _Server(uvicorn.Server):
                 log.error("a connection from the supervisor was dropped: no file descriptor left")
             for fd in fds:
                 conn = socket.socket(fileno=fd)
+                if data == GRPC_CONNECTION:
+                    if self.grpc is not None:
+                        self.grpc.adopt(conn)
+                    else:  # not serving gRPC (yet): the client reconnects
+                        conn.close()
+                    continue
                 conn.setblocking(False)
                 task = loop.create_task(loop.connect_accepted_socket(self._protocol, conn))
                 task.add_done_callback(_drop_failed_connection)
@@ -291,6 +305,8 @@ class _Server(uvicorn.Server):
             loop.remove_reader(self.channel.fileno())
         for server in self.servers:  # a process that accepts its own connections stops accepting
             server.close()
+        if self.grpc is not None:  # gRPC clients move to another worker once their running calls end
+            self.grpc.drain()
         loop.create_task(self._retire())
 
     async def _retire(self) -> None:
@@ -319,7 +335,7 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
     """Run the runtime until SIGINT/SIGTERM; uvicorn drains in-flight requests on shutdown. With
     ``channel`` (a worker), serve the connections the supervisor sends over it and write a byte
     to ``ready_fd`` once serving. With ``grpc_port``, OIP v2 gRPC is served on the same event loop
-    (every worker binds that port: SO_REUSEPORT)."""
+    (a worker's gRPC connections, too, come from the supervisor over ``channel``)."""
     on_config = None
     unloader = None
     if channel is None:
@@ -342,7 +358,10 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
         else:
             from .grpc_server import run_with_uvicorn  # gRPC starts in the worker, after the fork
 
-            run_with_uvicorn(server, runtime.dataplane, host, grpc_port, reuse_port=channel is not None)
+            def started(grpc: GrpcServer) -> None:
+                server.grpc = grpc
+
+            run_with_uvicorn(server, runtime.dataplane, host, None if channel is not None else grpc_port, started)
     finally:
         if unloader is not None:
             unloader.stop()

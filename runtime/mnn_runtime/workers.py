@@ -31,7 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .workers_channel import CONFIG_MESSAGE, RELOAD_MESSAGE, send_config, send_connection, send_message
+from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE, send_config,
+                              send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,12 @@ log = logging.getLogger(__name__)
 class Supervisor(WorkerPool):
     """Fork ``workers`` children running ``serve_one(channel, ready_fd)``; replace any that dies.
 
-    This process accepts every connection on ``sock`` and hands it to a worker over that worker's
-    ``channel`` (a Unix socket; the file descriptor travels as SCM_RIGHTS), round robin over the
-    workers that serve and are not being retired. Workers sharing one listening socket instead
+    This process accepts every connection on ``sock`` (and on ``grpc_sock``, with ``serve
+    --grpc-port``) and hands it to a worker over that worker's ``channel`` (a Unix socket; the file
+    descriptor travels as SCM_RIGHTS), round robin over the workers that serve and are not being
+    retired, each kind of connection in its own turn. (gRPC's connections were once taken by the
+    workers themselves, each binding the port with SO_REUSEPORT: the kernel's hash of each
+    connection's addresses then gave one worker 20 of a load generator's 32 and the other 12.) Workers sharing one listening socket instead
     let whichever woke first take a whole burst of connections (measured: all 32 of a load
     generator's on one worker in one round of three), and a worker being retired could not give
     back the connections waiting in its queue. Each child writes one byte to ``ready_fd`` once it
@@ -55,14 +59,17 @@ class Supervisor(WorkerPool):
 
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
                  metrics_dir: Path | None, apply: Callable[[Any], bool] | None = None,
-                 ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None) -> None:
-        super().__init__(workers, sock, serve_one, metrics_dir)
+                 ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None,
+                 grpc_sock: socket.socket | None = None) -> None:
+        super().__init__(workers, sock, serve_one, metrics_dir, grpc_sock)
         self.apply = apply
         self.reload = reload  # load again versions a worker loaded for a request; True: replace the workers
         self._reloads: set[str] = set()
         self.ready_timeout = ready_timeout
-        self._turn = 0
-        sock.setblocking(False)
+        self._turns = {CONNECTION: 0, GRPC_CONNECTION: 0}  # the next worker in turn, per kind
+        self._listeners = {sock: CONNECTION, **({grpc_sock: GRPC_CONNECTION} if grpc_sock is not None else {})}
+        for listener in self._listeners:
+            listener.setblocking(False)
         self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
         self._loader: threading.Thread | None = None  # applying a config (loading) off the main loop
@@ -104,7 +111,8 @@ class Supervisor(WorkerPool):
                 self._apply_pending()
         if self._loader is not None:
             self._loader.join(timeout=30)
-        self.sock.close()
+        for listener in self._listeners:
+            listener.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return 0
@@ -112,9 +120,9 @@ class Supervisor(WorkerPool):
     def _wait(self, timeout: float) -> None:
         """Hand over new connections until woken (a signal, a config) or a child reports ready,
         at most ``timeout``."""
-        listening = self.sock.fileno() if not self.stopping else -1
+        listening = {s.fileno(): s for s in self._listeners} if not self.stopping else {}
         channels = {ch.fileno(): ch for pid, ch in self._channels.items() if pid not in self.retiring}
-        fds = [self._wake_r, *self._ready_fds.values(), *([listening] if listening >= 0 else []), *channels]
+        fds = [self._wake_r, *self._ready_fds.values(), *listening, *channels]
         try:
             readable, _, _ = select.select(fds, [], [], timeout)
         except InterruptedError:
@@ -129,8 +137,8 @@ class Supervisor(WorkerPool):
                     except Exception:  # noqa: BLE001 - one bad call must not stop the supervisor
                         log.exception("supervisor call failed")
                 continue
-            if fd == listening:
-                self._accept()
+            if fd in listening:
+                self._accept(listening[fd])
                 continue
             if fd in channels:
                 self._from_worker(channels[fd])
@@ -141,6 +149,7 @@ class Supervisor(WorkerPool):
             del self._ready_fds[pid]
             if pid in self.children:
                 self.ready.add(pid)
+                log.info("worker pid %d serves", pid)
 
     def _from_worker(self, channel: socket.socket) -> None:
         """What a worker wrote back: the versions it loaded again for a request (the next
@@ -161,12 +170,13 @@ class Supervisor(WorkerPool):
             if pid not in self.retiring:
                 send_message(pid, channel, message)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        kind = self._listeners[listener]
         for _ in range(256):  # a burst, then back to the loop (signals, children, configs)
             if self.stopping or not any(pid not in self.retiring for pid in self.children):
                 return  # leave them in the backlog: a worker is on its way (or we are stopping)
             try:
-                conn, _ = self.sock.accept()
+                conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of file descriptors, a connection reset while queued
@@ -175,19 +185,20 @@ class Supervisor(WorkerPool):
             with conn:
                 if conn.family in (socket.AF_INET, socket.AF_INET6):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._hand_over(conn)
+                self._hand_over(conn, kind)
 
-    def _hand_over(self, conn: socket.socket) -> None:
-        """Send ``conn`` to the next worker in turn (serving ones first); the caller closes our copy."""
+    def _hand_over(self, conn: socket.socket, kind: bytes = CONNECTION) -> None:
+        """Send ``conn`` to the next worker in ``kind``'s turn (serving ones first); the caller
+        closes our copy."""
         live = [pid for pid in self.children if pid not in self.retiring]
         order = [pid for pid in live if pid in self.ready] or live
         for i in range(len(order)):
-            pid = order[(self._turn + i) % len(order)]
+            pid = order[(self._turns[kind] + i) % len(order)]
             try:
-                send_connection(self._channels[pid], conn)
+                send_connection(self._channels[pid], conn, kind)
             except OSError:  # it died, or its channel is full (it stopped reading): the next one
                 continue
-            self._turn = (self._turn + i + 1) % max(1, len(order))
+            self._turns[kind] = (self._turns[kind] + i + 1) % max(1, len(order))
             return
         log.error("no worker could take a connection (all busy or gone); it is closed")
 

@@ -2,8 +2,9 @@
 
 The supervisor binds the listening socket (``bind``) and accepts every connection itself. Each
 worker has a channel: one end of a Unix SOCK_SEQPACKET socket pair (``channel_pair``), over which
-the supervisor sends it either an accepted connection (one byte, the file descriptor travelling
-as SCM_RIGHTS: ``send_connection``) or a config (``CONFIG_MESSAGE`` then the config's YAML, in
+the supervisor sends it either an accepted connection (one byte saying which server it is for,
+``CONNECTION`` HTTP or ``GRPC_CONNECTION`` gRPC, the file descriptor travelling as SCM_RIGHTS:
+``send_connection``) or a config (``CONFIG_MESSAGE`` then the config's YAML, in
 one message of at most ``MAX_CONFIG_BYTES``: ``send_config``), or the versions to unload
 (``OFFLOAD_MESSAGE`` then their names, comma-separated). The worker's end is read by the worker's
 HTTP server (``server._Server._receive``). A worker writes back one kind of message: a version it
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
 OFFLOAD_MESSAGE = b"offload\n"  # supervisor -> worker: unload these versions (names, comma-separated)
 RELOAD_MESSAGE = b"reload\n"  # worker -> supervisor: this version was loaded again for a request
+CONNECTION = b"c"  # supervisor -> worker: an accepted HTTP connection (its descriptor beside)
+GRPC_CONNECTION = b"g"  # supervisor -> worker: an accepted gRPC connection (serve --grpc-port)
 MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
 
 
@@ -38,9 +41,10 @@ def channel_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def send_connection(channel: socket.socket, conn: socket.socket) -> None:
-    """Send ``conn`` over a worker's channel; OSError when the worker died or stopped reading."""
-    socket.send_fds(channel, [b"c"], [conn.fileno()])
+def send_connection(channel: socket.socket, conn: socket.socket, kind: bytes = CONNECTION) -> None:
+    """Send ``conn`` (for the server ``kind`` names) over a worker's channel; OSError when the
+    worker died or stopped reading."""
+    socket.send_fds(channel, [kind], [conn.fileno()])
 
 
 def send_config(pid: int, channel: socket.socket, text: bytes) -> None:

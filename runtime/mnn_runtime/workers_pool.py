@@ -30,9 +30,10 @@ class WorkerPool:
     """
 
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
-                 metrics_dir: Path | None) -> None:
+                 metrics_dir: Path | None, grpc_sock: socket.socket | None = None) -> None:
         self.workers = workers
         self.sock = sock
+        self.grpc_sock = grpc_sock  # serve --grpc-port: accepted here too, like ``sock``
         self.serve_one = serve_one
         self.metrics_dir = metrics_dir
         self.children: dict[int, int] = {}  # pid -> slot
@@ -76,7 +77,8 @@ class WorkerPool:
         if pid == 0:  # the worker
             run_worker(slot, self.serve_one, theirs, ready_w,
                        inherited_fds=(ready_r, self._wake_r, self._wake_w, *self._ready_fds.values()),
-                       inherited_sockets=(ours, self.sock, *self._channels.values()))
+                       inherited_sockets=(ours, self.sock, *([self.grpc_sock] if self.grpc_sock else []),
+                                          *self._channels.values()))
         os.close(ready_w)
         theirs.close()
         ours.setblocking(False)  # a worker that stops reading must never block the supervisor

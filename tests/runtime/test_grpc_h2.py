@@ -176,6 +176,38 @@ def test_stop_sends_goaway_and_lets_a_running_call_finish(server: tuple[h2.GrpcS
         c.frame()  # closed once its call was answered
 
 
+def test_an_adopted_connection_is_served_and_drain_sends_goaway_and_refuses_more(
+        server: tuple[h2.GrpcServer, asyncio.AbstractEventLoop]) -> None:
+    """serve --workers: a worker serves the gRPC connections its supervisor accepted; retiring it
+    (drain) sends GOAWAY at once, lets the running call finish, and closes any handed over later."""
+    srv, loop = server
+    listener = socket.create_server((HOST, 0))
+
+    def handed_over() -> Client:
+        client = Client.__new__(Client)  # a Client on a connection accepted here, not by the server
+        sock = socket.create_connection(listener.getsockname(), timeout=5)
+        accepted, _ = listener.accept()
+        loop.call_soon_threadsafe(srv.adopt, accepted)
+        client.sock, client.decoder, client.buffer, client.next_stream = sock, hpack.Decoder(), b"", 1
+        sock.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b""))
+        return client
+
+    c = handed_over()
+    headers, data, _ = c.answer(c.call("/t.S/Echo", b"adopted"))
+    assert headers["grpc-status"] == "0" and data[5:] == b"adopted"
+    sid = c.call("/t.S/Slow", b"", {"x-sleep": "0.3"})
+    c.answer(c.call("/t.S/Echo", b"warm"))  # the slow call is running now
+    loop.call_soon_threadsafe(srv.drain)
+    headers, data, kinds = c.answer(sid)
+    assert h2.GOAWAY in kinds and headers["grpc-status"] == "0" and data[5:] == b"done"
+    with pytest.raises((ConnectionError, OSError)):
+        c.frame()  # closed once its call was answered
+    late = handed_over()
+    with pytest.raises((ConnectionError, OSError)):
+        late.frame()  # draining: closed unread
+    listener.close()
+
+
 def test_a_bad_preface_closes_the_connection(server: tuple[h2.GrpcServer, asyncio.AbstractEventLoop]) -> None:
     sock = socket.create_connection((HOST, server[0].bound_port), timeout=5)
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")

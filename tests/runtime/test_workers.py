@@ -4,7 +4,10 @@ worker is replaced, SIGTERM drains."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import struct
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ import yaml
 from mnn_rollout.contract.routing import RoutingTable
 from mnn_rollout.local.net import write_atomic
 from mnn_rollout.local.traffic import Traffic
+from mnn_runtime import grpc_h2 as h2
 from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
@@ -30,10 +34,20 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def all_serving(srv: RuntimeServer, log_path: Path, workers: int = 2) -> None:
+    """Wait until the supervisor logged every worker serving (until then it deals every connection
+    to those that do)."""
+    deadline = time.monotonic() + 60
+    while len(re.findall(r"worker pid \d+ serves", log_path.read_text())) < workers:
+        assert time.monotonic() < deadline, srv.log()
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def server(model_dir: Path, tmp_path: Path) -> Iterator[RuntimeServer]:
     srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "server.log", extra_args=["--workers", "2"])
     srv.start()
+    all_serving(srv, tmp_path / "server.log")
     yield srv
     srv.stop()
 
@@ -59,8 +73,6 @@ def test_keep_alive_requests_to_workers_are_not_delayed(server: RuntimeServer) -
 def test_connections_are_dealt_out_to_every_worker_in_turn(server: RuntimeServer) -> None:
     """The supervisor accepts and hands each connection to the next worker: 8 clients connecting
     at once end up 4 and 4 (a shared listening socket let one worker take a whole burst)."""
-    import re
-    import subprocess
 
     assert server.proc is not None
     clients = [httpx.Client(base_url=server.url) for _ in range(8)]
@@ -76,6 +88,96 @@ def test_connections_are_dealt_out_to_every_worker_in_turn(server: RuntimeServer
     finally:
         for c in clients:
             c.close()
+
+
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@pytest.fixture
+def grpc_served(model_dir: Path, tmp_path: Path) -> Iterator[tuple[RuntimeServer, int]]:
+    from mnn_rollout.local.net import free_port
+
+    grpc_port = free_port()
+    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "server.log",
+                        extra_args=["--workers", "2", "--grpc-port", str(grpc_port)])
+    srv.start()
+    try:
+        all_serving(srv, tmp_path / "server.log")
+        yield srv, grpc_port
+    finally:
+        srv.stop()
+
+
+def grpc_request() -> bytes:
+    from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
+
+    return pb.ModelInferRequest(model_name="scorer", inputs=[pb.ModelInferRequest.InferInputTensor(
+        name="features", datatype="FP32", shape=[1, 64])], raw_input_contents=[struct.pack("<64f", *[0.5] * 64)]
+    ).SerializeToString()
+
+
+def owners(port: int, state: str = "established") -> Counter[int]:
+    """The pids holding TCP sockets on local ``port`` in ``state``, with how many each."""
+    out = subprocess.run(["ss", "-Htnp", "state", state, f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    return Counter(int(pid) for pid in re.findall(r"pid=(\d+)", out))
+
+
+def test_grpc_connections_are_dealt_out_to_every_worker_in_turn(grpc_served: tuple[RuntimeServer, int]) -> None:
+    """With --grpc-port, the supervisor listens on that port too and deals its connections out
+    like HTTP ones: 16 gRPC clients end up 8 and 8, each call answered by the worker it landed on
+    (the workers once bound the port themselves with SO_REUSEPORT, and the kernel's hash gave
+    one worker 20 of 32)."""
+    from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
+    from tests.runtime.test_grpc_h2 import Client
+
+    srv, grpc_port = grpc_served
+    assert srv.proc is not None
+    clients = [Client(grpc_port) for _ in range(16)]
+    try:
+        for i, c in enumerate(clients):
+            headers, data, _ = c.answer(c.call(GRPC_INFER, grpc_request(), {"x-user-id": f"u{i}"}))
+            assert headers["grpc-status"] == "0", headers
+            reply = pb.ModelInferResponse.FromString(data[5:])
+            assert reply.model_version == headers["x-model-version"] and len(reply.raw_output_contents[0]) == 32 * 4
+        assert list(owners(grpc_port, "listening")) == [srv.proc.pid]  # one listener: the supervisor's
+        dealt = owners(grpc_port)
+        assert sorted(dealt) == sorted(children(srv.proc.pid)), dealt
+        assert sorted(dealt.values()) == [8, 8], dealt
+    finally:
+        for c in clients:
+            c.sock.close()
+
+
+def test_a_retired_worker_sends_its_grpc_clients_away_at_once(grpc_served: tuple[RuntimeServer, int]) -> None:
+    """A worker being retired (replaced, or the pod stopping) GOAWAYs its gRPC connections at once,
+    so their clients reconnect to another worker, instead of calling on it until its HTTP
+    connections are gone (here: an idle keep-alive one, held up to the 10 s drain)."""
+    from tests.runtime.test_grpc_h2 import Client
+
+    srv, grpc_port = grpc_served
+    assert srv.proc is not None
+    held = [httpx.Client(base_url=srv.url) for _ in range(2)]  # one idle keep-alive per worker
+    c = Client(grpc_port)
+    try:
+        for h in held:
+            assert h.get("/v2/health/live").status_code == 200
+        assert c.answer(c.call(GRPC_INFER, grpc_request()))[0]["grpc-status"] == "0"
+        port = c.sock.getsockname()[1]
+        out = subprocess.run(["ss", "-Htnp", "state", "established", f"( sport = :{grpc_port} and dport = :{port} )"],
+                             capture_output=True, text=True, check=True).stdout
+        (owner,) = {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
+        os.kill(owner, signal.SIGUSR2)
+        c.sock.settimeout(5)  # far below the 10 s its held HTTP connection could keep it
+        while (f := c.frame())[0] != h2.GOAWAY:
+            pass
+        fresh = Client(grpc_port)  # the next in turn: the other worker (the supervisor was not told)
+        assert fresh.answer(fresh.call(GRPC_INFER, grpc_request()))[0]["grpc-status"] == "0"
+        fresh.sock.close()
+    finally:
+        c.sock.close()
+        for h in held:
+            h.close()
 
 
 def test_metrics_add_up_over_all_workers(server: RuntimeServer) -> None:
