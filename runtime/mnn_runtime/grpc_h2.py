@@ -792,10 +792,7 @@ class GrpcServer:
 
     def adopt(self, sock: socket.socket) -> None:
         """Serve a connection accepted elsewhere (``serve --workers``: the supervisor accepts and
-        deals them out); one that comes while draining is closed."""
-        if self.draining:
-            sock.close()
-            return
+        deals them out); one that comes while draining is sent GOAWAY (``connection_made``)."""
         sock.setblocking(False)
         task = self.loop.create_task(self.loop.connect_accepted_socket(lambda: H2Connection(self), sock))
         task.add_done_callback(_log_failed_adoption)

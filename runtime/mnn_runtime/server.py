@@ -29,8 +29,8 @@ from .metrics import RuntimeMetrics
 from .registry import Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
-from .workers_channel import (CONFIG_MESSAGE, GRPC_CONNECTION, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE,
-                              send_message)
+from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE,
+                              RELOAD_MESSAGE, send_message)
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -137,7 +137,12 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
     engine.fork_parent(True)  # no MNN thread pool or GPU here: a worker forked after one would hang
     runtime = build()  # models loaded and warmed before the fork: shared copy-on-write
     sock = bind(host, port)
-    grpc_sock = bind(host, grpc_port) if grpc_port is not None else None  # gRPC's are dealt out too
+    grpc_sock = None
+    if grpc_port is not None:  # its connections are dealt out too
+        try:
+            grpc_sock = bind(host, grpc_port)
+        except OSError as exc:
+            raise OSError(f"gRPC: cannot bind {host}:{grpc_port}: {exc}") from None
     log.info("serving on %s:%s with %d workers", host, port, workers)
     if grpc_sock is not None:
         log.info("serving OIP v2 gRPC on %s:%s with %d workers", host, grpc_sock.getsockname()[1], workers)
@@ -286,11 +291,12 @@ class _Server(uvicorn.Server):
                 log.error("a connection from the supervisor was dropped: no file descriptor left")
             for fd in fds:
                 conn = socket.socket(fileno=fd)
-                if data == GRPC_CONNECTION:
-                    if self.grpc is not None:
-                        self.grpc.adopt(conn)
-                    else:  # not serving gRPC (yet): the client reconnects
-                        conn.close()
+                if data == GRPC_CONNECTION and self.grpc is not None:
+                    self.grpc.adopt(conn)
+                    continue
+                if data != CONNECTION:  # a gRPC one with no gRPC server here, or what no one sends
+                    log.warning("a connection from the supervisor tagged %r was closed: nothing here serves it", data)
+                    conn.close()
                     continue
                 conn.setblocking(False)
                 task = loop.create_task(loop.connect_accepted_socket(self._protocol, conn))
@@ -301,12 +307,13 @@ class _Server(uvicorn.Server):
             return
         self.app.draining = True
         loop = asyncio.get_running_loop()
+        if self.grpc is not None:  # gRPC clients move to another worker once their running calls end
+            self.grpc.drain()
         if self.channel is not None:
+            self._receive()  # connections dealt before the supervisor knew: served, and told to go
             loop.remove_reader(self.channel.fileno())
         for server in self.servers:  # a process that accepts its own connections stops accepting
             server.close()
-        if self.grpc is not None:  # gRPC clients move to another worker once their running calls end
-            self.grpc.drain()
         loop.create_task(self._retire())
 
     async def _retire(self) -> None:

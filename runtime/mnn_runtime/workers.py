@@ -46,10 +46,10 @@ class Supervisor(WorkerPool):
     descriptor travels as SCM_RIGHTS), round robin over the workers that serve and are not being
     retired, each kind of connection in its own turn. (gRPC's connections were once taken by the
     workers themselves, each binding the port with SO_REUSEPORT: the kernel's hash of each
-    connection's addresses then gave one worker 20 of a load generator's 32 and the other 12.) Workers sharing one listening socket instead
-    let whichever woke first take a whole burst of connections (measured: all 32 of a load
-    generator's on one worker in one round of three), and a worker being retired could not give
-    back the connections waiting in its queue. Each child writes one byte to ``ready_fd`` once it
+    connection's addresses then gave one worker 20 of a load generator's 32 and the other 12.)
+    Workers sharing one listening socket instead let whichever woke first take a whole burst of
+    connections (measured: all 32 of a load generator's on one worker in one round of three), and a
+    worker being retired could not give back the connections waiting in its queue. Each child writes one byte to ``ready_fd`` once it
     serves. ``offer(config)`` (from any thread) hands the supervisor a new config: it applies it
     in this process with ``apply``, and when that loaded a new or changed version, replaces the
     workers one at a time (a new one is forked with the new weights, and once it serves, the old
@@ -120,7 +120,11 @@ class Supervisor(WorkerPool):
     def _wait(self, timeout: float) -> None:
         """Hand over new connections until woken (a signal, a config) or a child reports ready,
         at most ``timeout``."""
-        listening = {s.fileno(): s for s in self._listeners} if not self.stopping else {}
+        if self.stopping and self._listeners:  # refused from now on, not left in a backlog no one reads
+            for listener in self._listeners:
+                listener.close()
+            self._listeners = {}
+        listening = {s.fileno(): s for s in self._listeners}
         channels = {ch.fileno(): ch for pid, ch in self._channels.items() if pid not in self.retiring}
         fds = [self._wake_r, *self._ready_fds.values(), *listening, *channels]
         try:

@@ -47,9 +47,11 @@ def all_serving(srv: RuntimeServer, log_path: Path, workers: int = 2) -> None:
 def server(model_dir: Path, tmp_path: Path) -> Iterator[RuntimeServer]:
     srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "server.log", extra_args=["--workers", "2"])
     srv.start()
-    all_serving(srv, tmp_path / "server.log")
-    yield srv
-    srv.stop()
+    try:
+        all_serving(srv, tmp_path / "server.log")
+        yield srv
+    finally:
+        srv.stop()
 
 
 def test_the_parent_forks_two_workers_that_share_the_socket(server: RuntimeServer) -> None:
@@ -125,16 +127,21 @@ def owners(port: int, state: str = "established") -> Counter[int]:
 
 def test_grpc_connections_are_dealt_out_to_every_worker_in_turn(grpc_served: tuple[RuntimeServer, int]) -> None:
     """With --grpc-port, the supervisor listens on that port too and deals its connections out
-    like HTTP ones: 16 gRPC clients end up 8 and 8, each call answered by the worker it landed on
-    (the workers once bound the port themselves with SO_REUSEPORT, and the kernel's hash gave
-    one worker 20 of 32)."""
+    like HTTP ones, each kind in its own turn: 16 gRPC clients, each connecting after an HTTP one,
+    end up 8 and 8, each call answered by the worker it landed on (the workers once bound the port
+    themselves with SO_REUSEPORT, and the kernel's hash gave one worker 20 of 32)."""
     from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
     from tests.runtime.test_grpc_h2 import Client
 
     srv, grpc_port = grpc_served
     assert srv.proc is not None
-    clients = [Client(grpc_port) for _ in range(16)]
+    clients: list[Client] = []
+    http: list[httpx.Client] = []
     try:
+        for _ in range(16):  # one shared turn would send every gRPC connection to the same worker
+            http.append(httpx.Client(base_url=srv.url))
+            assert http[-1].get("/v2/health/live").status_code == 200
+            clients.append(Client(grpc_port))
         for i, c in enumerate(clients):
             headers, data, _ = c.answer(c.call(GRPC_INFER, grpc_request(), {"x-user-id": f"u{i}"}))
             assert headers["grpc-status"] == "0", headers
@@ -147,12 +154,14 @@ def test_grpc_connections_are_dealt_out_to_every_worker_in_turn(grpc_served: tup
     finally:
         for c in clients:
             c.sock.close()
+        for h in http:
+            h.close()
 
 
 def test_a_retired_worker_sends_its_grpc_clients_away_at_once(grpc_served: tuple[RuntimeServer, int]) -> None:
     """A worker being retired (replaced, or the pod stopping) GOAWAYs its gRPC connections at once,
     so their clients reconnect to another worker, instead of calling on it until its HTTP
-    connections are gone (here: an idle keep-alive one, held up to the 10 s drain)."""
+    connections are gone (here: an idle keep-alive one, held until the 5 s keep-alive timeout)."""
     from tests.runtime.test_grpc_h2 import Client
 
     srv, grpc_port = grpc_served
@@ -168,9 +177,10 @@ def test_a_retired_worker_sends_its_grpc_clients_away_at_once(grpc_served: tuple
                              capture_output=True, text=True, check=True).stdout
         (owner,) = {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
         os.kill(owner, signal.SIGUSR2)
-        c.sock.settimeout(5)  # far below the 10 s its held HTTP connection could keep it
-        while (f := c.frame())[0] != h2.GOAWAY:
+        retired = time.monotonic()
+        while c.frame()[0] != h2.GOAWAY:
             pass
+        assert time.monotonic() - retired < 2.0  # not after its held HTTP connection (5 s)
         fresh = Client(grpc_port)  # the next in turn: the other worker (the supervisor was not told)
         assert fresh.answer(fresh.call(GRPC_INFER, grpc_request()))[0]["grpc-status"] == "0"
         fresh.sock.close()
@@ -247,6 +257,30 @@ def test_sigterm_stops_every_worker_and_exits_zero(server: RuntimeServer) -> Non
     assert server.stop() == 0
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_a_stopping_supervisor_refuses_new_connections_while_its_workers_drain(server: RuntimeServer) -> None:
+    """After SIGTERM a client that reconnects (told to by Connection: close or GOAWAY) is refused
+    at once, and goes to another pod, instead of waiting in a backlog no one reads while the
+    workers drain (here: held up to 5 s by an idle keep-alive connection)."""
+    import socket
+
+    assert server.proc is not None
+    host, port = server.url.rsplit("/", 1)[1].rsplit(":", 1)
+    with httpx.Client(base_url=server.url) as held:
+        assert held.get("/v2/health/live").status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        while True:
+            assert time.monotonic() < deadline, "a new connection was still accepted 2 s after SIGTERM"
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            except ConnectionResetError:  # it was in the backlog as the listener closed: reset, not left
+                pass
+            time.sleep(0.05)
+        assert server.alive()  # refused while the workers still drain, not because all is gone
 
 
 def _write(model_dir: Path, config: dict[str, object]) -> None:
