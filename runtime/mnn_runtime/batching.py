@@ -1,4 +1,5 @@
-"""Dynamic batching: concurrent requests for one version go through one ``forward``.
+"""Dynamic batching: concurrent requests for one version go through one ``forward``; and, for
+every version, grouping: requests read together run their forwards one after another.
 
 MNN's ``forward`` holds the GIL (measured: two threads on two clones run no faster than one), so
 a thread pool buys no parallelism and costs a thread hop per request; forwards therefore run on
@@ -19,6 +20,15 @@ Rules:
   longer than they would (measured here: MNN's converted ONNX MatMul takes 3 ms for one row and
   15 ms for two to ten; Gemm 1.0 ms and 1.8 ms). One batch in ``_EXPLORE_EVERY`` is run whole
   anyway, so the costs stay current.
+
+Grouping (``Grouper``, always on, batching or not): the first request the loop reads in a turn
+runs its forward at once, as it comes; the others read in that same turn wait until the turn is
+over and then run theirs one after another, each alone, on its own input, exactly as it would have
+(nothing is stacked: the same numbers). Run as they came, each request's parsing, forward and
+answer alternated with the next's, and the forward, served between two requests' Python, took
+twice its time in a loop (cold caches and branch predictors: bench/RESULTS.md, the fifth pass);
+parsed together, forwarded together and answered together, a request cost ~25% less CPU at
+c=32 (bench/RESULTS.md, the seventh pass). A request alone in its turn (c=1) is not held at all.
 """
 
 from __future__ import annotations
@@ -148,3 +158,39 @@ class Batcher:
             future.set_result(self._forward(arrays, rows, key))
         except Exception as exc:  # noqa: BLE001 - delivered to the request's own caller
             future.set_exception(exc)
+
+
+class Grouper:
+    """One event loop's requests, grouped by the turn of the loop that read them (see above)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._armed = False  # a request was read in this turn already: the others wait for its end
+        self._queue: list[tuple[LoadedModel, Sequence[np.ndarray], asyncio.Future[tuple[list[np.ndarray], float]]]] = []
+
+    def now(self) -> bool:
+        """True: run this request's forward at once (the first of its turn); False: ``later``."""
+        if self._armed:
+            return False
+        self._armed = True
+        self.loop.call_soon(self._turn_over)  # after every callback of this turn's reads
+        return True
+
+    def later(self, model: LoadedModel, arrays: Sequence[np.ndarray]) -> asyncio.Future[tuple[list[np.ndarray], float]]:
+        """(outputs, seconds the forward took), once the turn is over and the ones before it ran."""
+        future: asyncio.Future[tuple[list[np.ndarray], float]] = self.loop.create_future()
+        self._queue.append((model, arrays, future))
+        return future
+
+    def _turn_over(self) -> None:
+        self._armed = False
+        queue, self._queue = self._queue, []
+        for model, arrays, future in queue:
+            if future.done():  # its caller went away (a gRPC call reset, a deadline)
+                continue
+            try:
+                started = time.perf_counter()
+                outputs = model.infer(arrays)
+                future.set_result((outputs, time.perf_counter() - started))
+            except Exception as exc:  # noqa: BLE001 - delivered to the request's own caller
+                future.set_exception(exc)

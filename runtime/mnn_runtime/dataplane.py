@@ -18,7 +18,7 @@ import orjson
 
 from . import __version__
 from . import binary as binary_ext
-from .batching import Batcher, batching_off_reason
+from .batching import Batcher, Grouper, batching_off_reason
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
 from mnn_rollout.contract.config import BatchingSpec
 from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
@@ -55,6 +55,7 @@ class DataPlane:
         # (event loop, version) -> (the model and spec it was made for, its batcher or None when
         # the model cannot be batched)
         self._batchers: dict[tuple[int, str], tuple[LoadedModel, BatchingSpec, Batcher | None]] = {}
+        self._groupers: dict[asyncio.AbstractEventLoop, Grouper] = {}  # each loop's (batching.Grouper)
         self.feedback_book = FeedbackBook()  # the versions that answered requests with ids of their own
         self.shadow = Shadow(registry, metrics.shadow)  # stable's requests run again on the shadow version
 
@@ -131,11 +132,12 @@ class DataPlane:
 
     async def infer(
         self, model: str, url_version: str | None, body: bytes, headers: Mapping[str, str],
-        parsed: tuple[dict[str, Any], bytes] | None = None,
+        parsed: tuple[dict[str, Any], bytes] | None = None, at_once: bool = False,
     ) -> InferResult:
         """Route, check, run and encode one request; every outcome is counted for its version.
         ``parsed``: the request object and its binary part, already apart (gRPC, which has no JSON
-        to parse): ``body`` is then unused and the outputs come back raw (``InferResult.tensors``)."""
+        to parse): ``body`` is then unused and the outputs come back raw (``InferResult.tensors``).
+        ``at_once``: its forward is not grouped with the others of this turn (batching.Grouper)."""
         started = time.perf_counter()
         label = UNROUTED
         flight = None
@@ -162,9 +164,13 @@ class DataPlane:
             forward_seconds: float | None = None  # stable's, the shadow's baseline (unbatched only)
             if batcher is None:
                 # On the loop itself: forward holds the GIL, so a thread hop would only add its cost.
-                forward_started = time.perf_counter()
-                outputs = state.model.infer(arrays)
-                forward_seconds = time.perf_counter() - forward_started
+                grouper = self._grouper()
+                if at_once or grouper.now():
+                    forward_started = time.perf_counter()
+                    outputs = state.model.infer(arrays)
+                    forward_seconds = time.perf_counter() - forward_started
+                else:  # after the others read in this turn (see batching.Grouper)
+                    outputs, forward_seconds = await grouper.later(state.model, arrays)
             else:
                 outputs = await batcher.infer(arrays)
             given = request.get("id")
@@ -219,6 +225,15 @@ class DataPlane:
             raise VersionNotReady(f"version {version!r} is not ready: "
                                   f"{reloaded.reason if reloaded else 'no longer listed'}")
         return reloaded
+
+    def _grouper(self) -> Grouper:
+        loop = asyncio.get_running_loop()
+        grouper = self._groupers.get(loop)
+        if grouper is None:
+            if len(self._groupers) >= 8:  # loops that served and are gone (tests): not kept
+                self._groupers = {k: v for k, v in self._groupers.items() if not k.is_closed()}
+            grouper = self._groupers[loop] = Grouper(loop)
+        return grouper
 
     def _batcher(self, state: VersionState) -> Batcher | None:
         """This loop's batcher for a version with batching configured; None when the model

@@ -181,9 +181,13 @@ class _InferCycle:
         chunks = self.chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.chunks = []
+        protocol = self.protocol
+        # Pipelined behind a request of the same read: not grouped (batching.Grouper), as the ones
+        # behind a request that waits would go through ASGI (in order, but slower).
+        pipelined, protocol.ran_in_read = protocol.ran_in_read, True
         try:
-            done, value = eager.start(self.protocol.loop,
-                                      self.protocol.fast.dataplane.infer(self.model, self.version, body, self.headers))
+            done, value = eager.start(protocol.loop, protocol.fast.dataplane.infer(
+                self.model, self.version, body, self.headers, at_once=pipelined))
         except Exception:  # the data plane answers every error itself: this is a bug, and costs one request
             log.exception("inference failed unexpectedly")
             self.write(500, _error("internal error"), JSON, b"")
@@ -236,6 +240,11 @@ if HttpToolsProtocol is not None:
 
         fast: InferFastPath  # set on the class made for a runtime by ``protocol_for``
         _idle_since: float | None = None  # when the last answer completed with nothing after it
+        ran_in_read = False  # an infer request of the data being read was run already
+
+        def data_received(self, data: bytes) -> None:
+            self.ran_in_read = False
+            super().data_received(data)
 
         # The keep-alive timeout, without a timer per request. uvicorn cancels its timer when data
         # arrives and starts a new one after each answer: a uvloop timer made and torn down per

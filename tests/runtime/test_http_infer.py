@@ -224,11 +224,11 @@ def infers(served: Served, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     called: list[str] = []
     infer = served.runtime.dataplane.infer
 
-    async def spied(model: str, version: str | None, body: bytes, headers: Any) -> Any:
+    async def spied(model: str, version: str | None, body: bytes, headers: Any, **more: Any) -> Any:
         called.append(f"{model}/{version}")
         if headers.get("x-slow"):
             await asyncio.sleep(0.6)
-        return await infer(model, version, body, headers)
+        return await infer(model, version, body, headers, **more)
 
     monkeypatch.setattr(served.runtime.dataplane, "infer", spied)
     return called
@@ -368,9 +368,9 @@ def test_draining_runs_nothing_pipelined_behind_the_closing_answer(served: Serve
     called: list[str] = []
     infer = served.runtime.dataplane.infer
 
-    async def spied(model: str, version: str | None, body: bytes, headers: Any, *more: Any) -> Any:
+    async def spied(model: str, version: str | None, body: bytes, headers: Any, *more: Any, **named: Any) -> Any:
         called.append(json.loads(body).get("id"))
-        return await infer(model, version, body, headers, *more)
+        return await infer(model, version, body, headers, *more, **named)
 
     monkeypatch.setattr(served.runtime.dataplane, "infer", spied)
     served.runtime.app.draining = True
