@@ -10,39 +10,46 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 
 log = logging.getLogger(__name__)
+CONVERT_TIMEOUT = 1800  # seconds: a large model converts in seconds to minutes
 
 
 class ConversionError(Exception):
     """The source could not be converted; the message says which file and why."""
 
 
-def _run_converter(args: list[str]) -> str:
-    """Run MNNConvert with its chatter on fd 1/2 captured; returns what it printed."""
-    import _tools  # MNN's C extension; importing it sends nothing anywhere
+# MNNConvert stages a model's weights in ``.__convert_external_data.bin`` in its current directory,
+# then reads them back: two conversions in one directory at once (two ``mnn-rollout convert`` in a
+# CI job, two test processes) swapped weights, and each produced a model that loads and answers,
+# with the other's weights. So each conversion runs in a process of its own, in a directory of its
+# own; its chatter on fd 1/2 is captured there, not by redirecting this process's.
+_CONVERTER = "import sys, _tools; _tools.mnnconvert(sys.argv[1:])"  # MNN's C entry point: sends nothing
 
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        saved = os.dup(1), os.dup(2)
+
+def _run_converter(args: list[str]) -> str:
+    """Run MNNConvert (paths in ``args`` absolute) in a process and directory of its own; returns
+    what it printed."""
+    with tempfile.TemporaryDirectory(prefix="mnnconvert-") as cwd:
         try:
-            os.dup2(sink.fileno(), 1)
-            os.dup2(sink.fileno(), 2)
-            _tools.mnnconvert(args)
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-        sink.seek(0)
-        return sink.read().decode(errors="replace")
+            done = subprocess.run([sys.executable, "-c", _CONVERTER, *args], cwd=cwd, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=CONVERT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"MNNConvert did not finish within {CONVERT_TIMEOUT} s"
+        printed = done.stdout.decode(errors="replace")
+        if done.returncode != 0:  # a crash (a signal) or an error: no model, the tail says why
+            printed += f"\nMNNConvert exited with {done.returncode}"
+        return printed
 
 
 def convert(src: str | Path, dst: str | Path, weight_bits: int | None = None) -> Path:
     """Convert ``src`` (ONNX) into ``dst`` (MNN); ``weight_bits=8`` stores int8 weights."""
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src).absolute(), Path(dst).absolute()  # the converter runs in a directory of its own
     if not src.is_file():
         raise ConversionError(f"source {str(src)!r} does not exist or is not a file")
     if weight_bits is not None and weight_bits not in (2, 3, 4, 5, 6, 7, 8):
