@@ -209,3 +209,6 @@ class Grouper:
                 future.set_result((outputs, time.perf_counter() - started))
             except Exception as exc:  # noqa: BLE001 - delivered to the request's own caller
                 future.set_exception(exc)
+            except BaseException:  # never leave the others waiting for good
+                self.loop.call_soon(self._run, queue, i + 1)
+                raise

@@ -36,11 +36,15 @@ def _run_converter(args: list[str]) -> str:
     """Run MNNConvert (paths in ``args`` absolute) in a process and directory of its own; returns
     what it printed."""
     with tempfile.TemporaryDirectory(prefix="mnnconvert-") as cwd:
+        if not sys.executable:
+            raise ConversionError("no Python interpreter to run the converter in (sys.executable is empty)")
         try:
             done = subprocess.run([sys.executable, "-c", _CONVERTER, *args], cwd=cwd, stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=CONVERT_TIMEOUT)
         except subprocess.TimeoutExpired:
-            return f"MNNConvert did not finish within {CONVERT_TIMEOUT} s"
+            raise ConversionError(f"the converter did not finish within {CONVERT_TIMEOUT} s") from None
+        except OSError as exc:
+            raise ConversionError(f"cannot start the converter ({sys.executable}): {exc}") from None
         printed = done.stdout.decode(errors="replace")
         if done.returncode != 0:  # a crash (a signal) or an error: no model, the tail says why
             printed += f"\nMNNConvert exited with {done.returncode}"

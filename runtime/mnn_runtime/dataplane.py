@@ -191,13 +191,17 @@ class DataPlane:
         except InferenceError as exc:
             status = exc.status_code
             return InferResult(status, _error_body(exc.message), None if label == UNROUTED else label)
+        except asyncio.CancelledError:  # its client went away (a gRPC reset, a deadline) while it waited
+            status = 0  # no answer: not counted as any outcome (it is no server error of its version)
+            raise
         except Exception as exc:  # a bug must cost one request, never the worker
             log.exception("inference failed unexpectedly")
             return InferResult(500, _error_body(f"internal error: {type(exc).__name__}: {exc}"), None)
         finally:
             if flight is not None:
                 flight.dec()
-            self.metrics.observe(label, outcome_of(status), time.perf_counter() - started)
+            if status:
+                self.metrics.observe(label, outcome_of(status), time.perf_counter() - started)
 
     def feedback(self, model: str, body: bytes) -> dict[str, int]:
         """Count each feedback item for the version that answered the request it names; items
@@ -230,8 +234,8 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         grouper = self._groupers.get(loop)
         if grouper is None:
-            if len(self._groupers) >= 8:  # loops that served and are gone (tests): not kept
-                self._groupers = {k: v for k, v in self._groupers.items() if not k.is_closed()}
+            for gone in [k for k in list(self._groupers) if k.is_closed()]:  # loops that served and ended (tests)
+                self._groupers.pop(gone, None)
             grouper = self._groupers[loop] = Grouper(loop)
         return grouper
 

@@ -49,7 +49,11 @@ def test_conversions_at_once_in_one_directory_each_keep_their_own_weights(tmp_pa
     outs = [tmp_path / f"out-{src.stem}" for src in sources]
     procs = [subprocess.Popen([sys.executable, "-c", CONVERTING, str(src), str(out), str(ROUNDS)], cwd=shared)
              for src, out in zip(sources, outs)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    try:
+        assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
     for out, want in zip(outs, expected):
         for k in range(ROUNDS):
             np.testing.assert_array_equal(scores(out / f"{k}.mnn"), want, err_msg=f"{out.name}/{k}.mnn")

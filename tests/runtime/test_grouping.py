@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from mnn_rollout.contract.config import load_config_file
 from mnn_runtime import eager
@@ -21,6 +22,7 @@ from mnn_runtime.examples import FEATURES
 from mnn_runtime.metrics import RuntimeMetrics
 from mnn_runtime.model import LoadedModel
 from mnn_runtime.registry import Registry
+from tests.runtime.test_metrics import value
 
 pytestmark = pytest.mark.timeout(60)
 POISON = -7.0  # a request holding it makes its forward fail, as MNN does when it returns no output
@@ -165,10 +167,17 @@ def test_a_request_that_went_away_while_it_waited_runs_no_forward(
         tasks[2].cancel()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
+    def counted(outcome: str) -> float:
+        text = generate_latest(plane.metrics.registry).decode()
+        return value(text, "mnn_inference_requests_total", model="scorer", version="v1", outcome=outcome)
+
+    before = {o: counted(o) for o in ("success", "server_error", "client_error")}
     results = asyncio.run(main())
     assert isinstance(results[2], asyncio.CancelledError)
     assert [r.status for i, r in enumerate(results) if i != 2] == [200, 200, 200]
     assert len(forwards) == 3 and not any(np.array_equal(f, inputs[2]) for f in forwards)
+    # the three answered are counted; the one whose client went away is no server error of v1
+    assert {o: counted(o) - n for o, n in before.items()} == {"success": 3, "server_error": 0, "client_error": 0}
 
 
 def test_a_slow_models_grouped_requests_are_answered_as_they_go(

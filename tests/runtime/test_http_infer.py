@@ -324,6 +324,26 @@ def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
     assert [g.get("id", g.get("name")) for g in got] == ["m0", "m1", "m2", "scorer", "m4"] and calls == 3
 
 
+def test_requests_read_in_one_turn_on_two_connections_are_grouped(served: Served) -> None:
+    """Two kept-alive connections whose next requests the loop reads in one turn: the first is
+    answered at once, the second after the turn (batching.Grouper: its Task answers it). Each
+    connection served a request before, in reads of their own, which must not count."""
+    a, b = Conn(served.port), Conn(served.port)
+    assert a.send(req(INFER, tensor(0.1))).reply().status == b.send(req(INFER, tensor(0.2))).reply().status == 200
+    loop = served.fast._loop
+    assert loop is not None
+    before = len(served.from_tasks)
+    loop.call_soon_threadsafe(time.sleep, 0.3)  # the loop is held: both requests wait in their sockets
+    time.sleep(0.05)
+    a.send(req(INFER, tensor(0.3)))
+    b.send(req(INFER, tensor(0.4)))
+    replies = [a.reply(), b.reply()]
+    a.close()
+    b.close()
+    assert [r.status for r in replies] == [200, 200]
+    assert len(served.from_tasks) - before == 1
+
+
 @pytest.mark.parametrize(("path", "plain"), [
     ("/v2/models/sc%6Frer/infer", INFER), (INFER + "?x=1", INFER),
     ("/v2/models/scorer/versions/v%32/infer", "/v2/models/scorer/versions/v2/infer"),
