@@ -164,13 +164,23 @@ class Batcher:
             future.set_exception(exc)
 
 
+Timed = tuple[list[np.ndarray], float]  # a forward's outputs, and the seconds it took
+_Waiting = tuple[LoadedModel, Sequence[np.ndarray], "asyncio.Future[Timed]"]  # a grouped request's forward
+
+
+def timed_forward(model: LoadedModel, arrays: Sequence[np.ndarray]) -> Timed:
+    started = time.perf_counter()
+    outputs = model.infer(arrays)
+    return outputs, time.perf_counter() - started
+
+
 class Grouper:
     """One event loop's requests, grouped by the turn of the loop that read them (see above)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._armed = False  # a request was read in this turn already: the others wait for its end
-        self._queue: list[tuple[LoadedModel, Sequence[np.ndarray], asyncio.Future[tuple[list[np.ndarray], float]]]] = []
+        self._queue: list[_Waiting] = []
 
     def now(self) -> bool:
         """True: run this request's forward at once (the first of its turn); False: ``later``."""
@@ -180,9 +190,9 @@ class Grouper:
         self.loop.call_soon(self._turn_over)  # after every callback of this turn's reads
         return True
 
-    def later(self, model: LoadedModel, arrays: Sequence[np.ndarray]) -> asyncio.Future[tuple[list[np.ndarray], float]]:
-        """(outputs, seconds the forward took), once the turn is over and the ones before it ran."""
-        future: asyncio.Future[tuple[list[np.ndarray], float]] = self.loop.create_future()
+    def later(self, model: LoadedModel, arrays: Sequence[np.ndarray]) -> asyncio.Future[Timed]:
+        """``timed_forward``'s answer, once the turn is over and the ones before it ran."""
+        future: asyncio.Future[Timed] = self.loop.create_future()
         self._queue.append((model, arrays, future))
         return future
 
@@ -191,8 +201,7 @@ class Grouper:
         queue, self._queue = self._queue, []
         self._run(queue, 0)
 
-    def _run(self, queue: list[tuple[LoadedModel, Sequence[np.ndarray],
-                                     asyncio.Future[tuple[list[np.ndarray], float]]]], start: int) -> None:
+    def _run(self, queue: list[_Waiting], start: int) -> None:
         """Forward ``queue[start:]`` in order, for at most ``GROUP_SECONDS``; then the rest after
         the answers of those done (their callers resume first: ``call_soon`` keeps the order)."""
         until = time.perf_counter() + GROUP_SECONDS
@@ -200,13 +209,11 @@ class Grouper:
             model, arrays, future = queue[i]
             if future.done():  # its caller went away (a gRPC call reset, a deadline)
                 continue
-            started = time.perf_counter()
-            if started > until:
+            if time.perf_counter() > until:
                 self.loop.call_soon(self._run, queue, i)
                 return
             try:
-                outputs = model.infer(arrays)
-                future.set_result((outputs, time.perf_counter() - started))
+                future.set_result(timed_forward(model, arrays))
             except Exception as exc:  # noqa: BLE001 - delivered to the request's own caller
                 future.set_exception(exc)
             except BaseException:  # never leave the others waiting for good

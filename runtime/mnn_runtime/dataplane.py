@@ -18,7 +18,7 @@ import orjson
 
 from . import __version__
 from . import binary as binary_ext
-from .batching import Batcher, Grouper, batching_off_reason
+from .batching import Batcher, Grouper, batching_off_reason, timed_forward
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
 from mnn_rollout.contract.config import BatchingSpec
 from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
@@ -166,9 +166,7 @@ class DataPlane:
                 # On the loop itself: forward holds the GIL, so a thread hop would only add its cost.
                 grouper = self._grouper()
                 if at_once or grouper.now():
-                    forward_started = time.perf_counter()
-                    outputs = state.model.infer(arrays)
-                    forward_seconds = time.perf_counter() - forward_started
+                    outputs, forward_seconds = timed_forward(state.model, arrays)
                 else:  # after the others read in this turn (see batching.Grouper)
                     outputs, forward_seconds = await grouper.later(state.model, arrays)
             else:

@@ -787,15 +787,14 @@ class GrpcServer:
                 self.close()
                 raise
             self.bound_port = sock.getsockname()[1]
-            self.servers.append(await self.loop.create_server(lambda: H2Connection(self), sock=sock))
+            self.servers.append(await self.loop.create_server(self.connection, sock=sock))
         return self.bound_port
 
-    def adopt(self, sock: socket.socket) -> None:
-        """Serve a connection accepted elsewhere (``serve --workers``: the supervisor accepts and
-        deals them out); one that comes while draining is sent GOAWAY (``connection_made``)."""
-        sock.setblocking(False)
-        task = self.loop.create_task(self.loop.connect_accepted_socket(lambda: H2Connection(self), sock))
-        task.add_done_callback(_log_failed_adoption)
+    def connection(self) -> H2Connection:
+        """The protocol for a new connection: one this server listens for, or one accepted elsewhere
+        (``serve --workers``: the supervisor accepts and deals them out; a worker serves each with
+        ``loop.connect_accepted_socket``). One that comes while draining is sent GOAWAY."""
+        return H2Connection(self)
 
     def close(self) -> None:
         for server in self.servers:
@@ -827,8 +826,3 @@ class GrpcServer:
     def _connection_closed(self) -> None:
         if not any(c.streams for c in self.connections if not c.closed):
             self._idle.set()
-
-
-def _log_failed_adoption(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("a handed-over gRPC connection could not be served: %s", task.exception())

@@ -211,7 +211,7 @@ class InferenceServicer:
 async def start_grpc(dataplane: DataPlane, host: str, port: int | None) -> GrpcServer:
     """Start serving OIP v2 gRPC on ``host:port`` in the running event loop. Port 0 picks a free
     port: read it from ``server.bound_port``. A port in use is an OSError. Port None listens
-    nowhere: the connections are handed to ``server.adopt`` (a worker of ``serve --workers``, whose
+    nowhere: the connections are handed to it (``server.connection``; a worker of ``serve --workers``, whose
     supervisor accepts them)."""
     server = GrpcServer(InferenceServicer(dataplane).handlers(),
                         lambda: dataplane.registry.snapshot.config.server.max_body_bytes)

@@ -289,17 +289,17 @@ class _Server(uvicorn.Server):
                 return
             if flags & socket.MSG_CTRUNC:  # out of file descriptors: that connection is lost, not us
                 log.error("a connection from the supervisor was dropped: no file descriptor left")
+            protocol: Callable[[], asyncio.Protocol] | None = self._protocol if data == CONNECTION else None
+            if data == GRPC_CONNECTION and self.grpc is not None:
+                protocol = self.grpc.connection
             for fd in fds:
                 conn = socket.socket(fileno=fd)
-                if data == GRPC_CONNECTION and self.grpc is not None:
-                    self.grpc.adopt(conn)
-                    continue
-                if data != CONNECTION:  # a gRPC one with no gRPC server here, or what no one sends
+                if protocol is None:  # a gRPC one with no gRPC server here, or what no one sends
                     log.warning("a connection from the supervisor tagged %r was closed: nothing here serves it", data)
                     conn.close()
                     continue
                 conn.setblocking(False)
-                task = loop.create_task(loop.connect_accepted_socket(self._protocol, conn))
+                task = loop.create_task(loop.connect_accepted_socket(protocol, conn))
                 task.add_done_callback(_drop_failed_connection)
 
     def retire(self) -> None:

@@ -49,10 +49,10 @@ class Supervisor(WorkerPool):
     connection's addresses then gave one worker 20 of a load generator's 32 and the other 12.)
     Workers sharing one listening socket instead let whichever woke first take a whole burst of
     connections (measured: all 32 of a load generator's on one worker in one round of three), and a
-    worker being retired could not give back the connections waiting in its queue. Each child writes one byte to ``ready_fd`` once it
-    serves. ``offer(config)`` (from any thread) hands the supervisor a new config: it applies it
-    in this process with ``apply``, and when that loaded a new or changed version, replaces the
-    workers one at a time (a new one is forked with the new weights, and once it serves, the old
+    worker being retired could not give back the connections waiting in its queue. Each child
+    writes one byte to ``ready_fd`` once it serves. ``offer(config)`` (from any thread) hands the
+    supervisor a new config: it applies it in this process with ``apply``, and when that loaded a
+    new or changed version, replaces the workers one at a time (a new one is forked with the new weights, and once it serves, the old
     one is retired: SIGUSR2, it stops accepting, finishes what it holds and exits), so the new
     weights are shared too and no request is dropped.
     """
@@ -67,8 +67,7 @@ class Supervisor(WorkerPool):
         self._reloads: set[str] = set()
         self.ready_timeout = ready_timeout
         self._turns = {CONNECTION: 0, GRPC_CONNECTION: 0}  # the next worker in turn, per kind
-        self._listeners = {sock: CONNECTION, **({grpc_sock: GRPC_CONNECTION} if grpc_sock is not None else {})}
-        for listener in self._listeners:
+        for listener in self.listeners:
             listener.setblocking(False)
         self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
@@ -111,7 +110,7 @@ class Supervisor(WorkerPool):
                 self._apply_pending()
         if self._loader is not None:
             self._loader.join(timeout=30)
-        for listener in self._listeners:
+        for listener in self.listeners:
             listener.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -120,11 +119,11 @@ class Supervisor(WorkerPool):
     def _wait(self, timeout: float) -> None:
         """Hand over new connections until woken (a signal, a config) or a child reports ready,
         at most ``timeout``."""
-        if self.stopping and self._listeners:  # refused from now on, not left in a backlog no one reads
-            for listener in self._listeners:
+        if self.stopping and self.listeners:  # refused from now on, not left in a backlog no one reads
+            for listener in self.listeners:
                 listener.close()
-            self._listeners = {}
-        listening = {s.fileno(): s for s in self._listeners}
+            self.listeners = {}
+        listening = {s.fileno(): s for s in self.listeners}
         channels = {ch.fileno(): ch for pid, ch in self._channels.items() if pid not in self.retiring}
         fds = [self._wake_r, *self._ready_fds.values(), *listening, *channels]
         try:
@@ -175,7 +174,7 @@ class Supervisor(WorkerPool):
                 send_message(pid, channel, message)
 
     def _accept(self, listener: socket.socket) -> None:
-        kind = self._listeners[listener]
+        kind = self.listeners[listener]
         for _ in range(256):  # a burst, then back to the loop (signals, children, configs)
             if self.stopping or not any(pid not in self.retiring for pid in self.children):
                 return  # leave them in the backlog: a worker is on its way (or we are stopping)
@@ -191,7 +190,7 @@ class Supervisor(WorkerPool):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._hand_over(conn, kind)
 
-    def _hand_over(self, conn: socket.socket, kind: bytes = CONNECTION) -> None:
+    def _hand_over(self, conn: socket.socket, kind: bytes) -> None:
         """Send ``conn`` to the next worker in ``kind``'s turn (serving ones first); the caller
         closes our copy."""
         live = [pid for pid in self.children if pid not in self.retiring]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .workers_channel import channel_pair
+from .workers_channel import CONNECTION, GRPC_CONNECTION, channel_pair
 from .workers_metrics import mark_dead
 from .workers_process import run_worker
 
@@ -32,8 +32,8 @@ class WorkerPool:
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
                  metrics_dir: Path | None, grpc_sock: socket.socket | None = None) -> None:
         self.workers = workers
-        self.sock = sock
-        self.grpc_sock = grpc_sock  # serve --grpc-port: accepted here too, like ``sock``
+        # listening socket -> the kind of connection it takes (serve --grpc-port: gRPC's too)
+        self.listeners = {sock: CONNECTION, **({grpc_sock: GRPC_CONNECTION} if grpc_sock is not None else {})}
         self.serve_one = serve_one
         self.metrics_dir = metrics_dir
         self.children: dict[int, int] = {}  # pid -> slot
@@ -77,8 +77,7 @@ class WorkerPool:
         if pid == 0:  # the worker
             run_worker(slot, self.serve_one, theirs, ready_w,
                        inherited_fds=(ready_r, self._wake_r, self._wake_w, *self._ready_fds.values()),
-                       inherited_sockets=(ours, self.sock, *([self.grpc_sock] if self.grpc_sock else []),
-                                          *self._channels.values()))
+                       inherited_sockets=(ours, *self.listeners, *self._channels.values()))
         os.close(ready_w)
         theirs.close()
         ours.setblocking(False)  # a worker that stops reading must never block the supervisor

@@ -188,7 +188,8 @@ def test_an_adopted_connection_is_served_and_drain_sends_goaway_and_refuses_more
         client = Client.__new__(Client)  # a Client on a connection accepted here, not by the server
         sock = socket.create_connection(listener.getsockname(), timeout=5)
         accepted, _ = listener.accept()
-        loop.call_soon_threadsafe(srv.adopt, accepted)
+        accepted.setblocking(False)  # served as a worker serves one its supervisor handed over
+        asyncio.run_coroutine_threadsafe(loop.connect_accepted_socket(srv.connection, accepted), loop).result(5)
         client.sock, client.decoder, client.buffer, client.next_stream = sock, hpack.Decoder(), b"", 1
         sock.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b""))
         return client

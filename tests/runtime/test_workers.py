@@ -72,21 +72,25 @@ def test_keep_alive_requests_to_workers_are_not_delayed(server: RuntimeServer) -
         assert time.monotonic() - started < 3.0  # ~0.1 s healthy; >= 4 s with the delay
 
 
+def owners(port: int, state: str = "established", peer: int | None = None) -> Counter[int]:
+    """The pids holding TCP sockets on local ``port`` in ``state`` (to the client's ``peer`` port
+    only, if given), with how many each."""
+    match = f"( sport = :{port} and dport = :{peer} )" if peer is not None else f"( sport = :{port} )"
+    out = subprocess.run(["ss", "-Htnp", "state", state, match], capture_output=True, text=True, check=True).stdout
+    return Counter(int(pid) for pid in re.findall(r"pid=(\d+)", out))
+
+
 def test_connections_are_dealt_out_to_every_worker_in_turn(server: RuntimeServer) -> None:
     """The supervisor accepts and hands each connection to the next worker: 8 clients connecting
     at once end up 4 and 4 (a shared listening socket let one worker take a whole burst)."""
-
     assert server.proc is not None
     clients = [httpx.Client(base_url=server.url) for _ in range(8)]
     try:
         for c in clients:
             assert c.post(INFER, json=BODY).status_code == 200
-        port = server.url.rsplit(":", 1)[1]
-        out = subprocess.run(["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
-                             capture_output=True, text=True, check=True).stdout
-        owners = Counter(int(pid) for pid in re.findall(r"pid=(\d+)", out))
-        assert sorted(owners) == sorted(children(server.proc.pid)), out
-        assert sorted(owners.values()) == [4, 4], out
+        dealt = owners(int(server.url.rsplit(":", 1)[1]))
+        assert sorted(dealt) == sorted(children(server.proc.pid)), dealt
+        assert sorted(dealt.values()) == [4, 4], dealt
     finally:
         for c in clients:
             c.close()
@@ -116,13 +120,6 @@ def grpc_request() -> bytes:
     return pb.ModelInferRequest(model_name="scorer", inputs=[pb.ModelInferRequest.InferInputTensor(
         name="features", datatype="FP32", shape=[1, 64])], raw_input_contents=[struct.pack("<64f", *[0.5] * 64)]
     ).SerializeToString()
-
-
-def owners(port: int, state: str = "established") -> Counter[int]:
-    """The pids holding TCP sockets on local ``port`` in ``state``, with how many each."""
-    out = subprocess.run(["ss", "-Htnp", "state", state, f"( sport = :{port} )"],
-                         capture_output=True, text=True, check=True).stdout
-    return Counter(int(pid) for pid in re.findall(r"pid=(\d+)", out))
 
 
 def test_grpc_connections_are_dealt_out_to_every_worker_in_turn(grpc_served: tuple[RuntimeServer, int]) -> None:
@@ -172,10 +169,7 @@ def test_a_retired_worker_sends_its_grpc_clients_away_at_once(grpc_served: tuple
         for h in held:
             assert h.get("/v2/health/live").status_code == 200
         assert c.answer(c.call(GRPC_INFER, grpc_request()))[0]["grpc-status"] == "0"
-        port = c.sock.getsockname()[1]
-        out = subprocess.run(["ss", "-Htnp", "state", "established", f"( sport = :{grpc_port} and dport = :{port} )"],
-                             capture_output=True, text=True, check=True).stdout
-        (owner,) = {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
+        (owner,) = owners(grpc_port, peer=c.sock.getsockname()[1])
         os.kill(owner, signal.SIGUSR2)
         retired = time.monotonic()
         while c.frame()[0] != h2.GOAWAY:
