@@ -23,6 +23,7 @@ from . import eager
 from .binary import RESPONSE_HEADER
 from .dataplane import VERSION_HEADER, DataPlane, InferResult
 from .errors import InferenceError
+from .grpc_h2 import FRAME_TIMEOUT, REQUEST_IDLE_TIMEOUT
 from .rest import body_too_large, declared_too_large, read_body
 
 JSON = b"application/json"
@@ -241,9 +242,27 @@ if HttpToolsProtocol is not None:
         fast: InferFastPath  # set on the class made for a runtime by ``protocol_for``
         _idle_since: float | None = None  # when the last answer completed with nothing after it
         ran_in_read = False  # an infer request of the data being read was run already
+        # Slow clients (slow loris), as the gRPC port bounds them (grpc_h2): a request's line and
+        # headers must all arrive within `headers_timeout` of its first byte (a connection's first
+        # request, of the connection), and its body may go `body_timeout` without a byte; else it
+        # is answered 408 and the connection closed (a new connection that sent nothing is closed).
+        # uvicorn bounds neither: a client trickling a byte now and then held its connection forever.
+        headers_timeout = FRAME_TIMEOUT
+        body_timeout = REQUEST_IDLE_TIMEOUT
+        _reading = 0  # 1: a request's line and headers are being read, 2: its body, 0: neither
+        _heard = 0.0  # loop time of the last read
+        _began = 0.0  # loop time of the read the request being read began in
+        _due = 0.0  # when the timer fires (while it is armed)
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._heard = self._began = self.loop.time()
+            self._reading = 1  # its first request is due
+            self._arm(self._began + self.headers_timeout)
 
         def data_received(self, data: bytes) -> None:
             self.ran_in_read = False
+            self._heard = self.loop.time()
             super().data_received(data)
 
         # The keep-alive timeout, without a timer per request. uvicorn cancels its timer when data
@@ -252,7 +271,8 @@ if HttpToolsProtocol is not None:
         # only marks the connection busy, answers note when it went idle, and the timer, when it
         # fires, closes the connection only if it has been idle the whole timeout since (else it
         # waits for the rest, or for the next answer to arm it again). Same rule as uvicorn's:
-        # closed after `timeout_keep_alive` seconds with no data and no request under way.
+        # closed after `timeout_keep_alive` seconds with no data and no request under way. The same
+        # timer times a request being read (headers_timeout, body_timeout above).
 
         def _unset_keepalive_if_required(self) -> None:
             self._idle_since = None  # data, or a request: not idle (the timer stays; it will see)
@@ -268,9 +288,10 @@ if HttpToolsProtocol is not None:
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
                 return
-            self._idle_since = self.loop.time()
-            if self.timeout_keep_alive_task is None:
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+            idle = self._idle_since = self.loop.time()
+            at = idle + self.timeout_keep_alive
+            if self.timeout_keep_alive_task is None or self._due > at:
+                self._arm(at)
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
@@ -278,24 +299,80 @@ if HttpToolsProtocol is not None:
                 self.timeout_keep_alive_task.cancel()
                 self.timeout_keep_alive_task = None
 
+        def _arm(self, at: float) -> None:
+            """The timer fires at loop time ``at`` (and not later, if it was to fire later)."""
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+            self._due = at
+            self.timeout_keep_alive_task = self.loop.call_at(at, self._keep_alive_due)
+
         def _keep_alive_due(self) -> None:
             self.timeout_keep_alive_task = None
-            idle = self._idle_since
-            if idle is None or self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            now = self.loop.time()
+            if self._reading == 1:
+                left = self._began + self.headers_timeout - now
+            elif self._reading == 2:
+                if self.flow.read_paused:  # we stopped reading (its answers or its body are not
+                    self._heard = now  # being taken): the client's silence is not its own
+                left = self._heard + self.body_timeout - now
+            elif self._idle_since is None:
                 return  # busy: the answer under way arms the timer again
-            left = idle + self.timeout_keep_alive - self.loop.time()
+            else:
+                left = self._idle_since + self.timeout_keep_alive - now
             if left > 0:
-                self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+                self._arm(now + left)
+            elif self._reading:
+                self._read_timed_out()
             else:
                 self.timeout_keep_alive_handler()
+
+        def _read_timed_out(self) -> None:
+            """Answer 408 to a request that did not arrive in time (see headers_timeout) and close."""
+            if self.scope is None:  # a new connection that sent nothing: there is nothing to answer
+                self.transport.close()
+                return
+            if self._reading == 1:
+                message = f"the request's headers did not all arrive within {self.headers_timeout:g} s"
+            else:
+                message = f"the request's body had no data for {self.body_timeout:g} s"
+            log.debug("HTTP request timed out: %s", message)
+            reading, self._reading = self._reading, 0
+            cycle = self.cycle
+            busy = cycle is not None and not cycle.response_complete
+            if reading == 1 and busy:  # the answer before it is still under way: closed after it
+                cycle.keep_alive = False
+                return
+            if reading == 2 and not busy:  # answered already (refused before its body came)
+                self.transport.close()
+                return
+            if reading == 2 and type(cycle) is _InferCycle:  # its body stalled
+                cycle.chunks, cycle.keep_alive = [], False
+                cycle.write(408, _error(message), JSON, b"")
+                return
+            if reading == 2 and getattr(cycle, "response_started", False):
+                self.transport.close()  # an ASGI app answering before its body came: it cannot be told
+                return
+            body = _error(message)
+            self.transport.write(b"".join((
+                STATUS_LINE[408], _default_headers(self.server_state.default_headers),
+                b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                b"\r\nconnection: close\r\n\r\n", body)))
+            self.transport.close()  # an ASGI app waiting for the body is told the client went away
 
         def on_message_begin(self) -> None:
             # A request read right after an answer written in this same data_received: the
             # connection is busy again, so the keep-alive timer must not close it meanwhile.
             self._unset_keepalive_if_required()
+            self._reading, self._began = 1, self._heard
+            at = self._heard + self.headers_timeout
+            if self.timeout_keep_alive_task is None or self._due > at:  # (none while an answer was under way)
+                self._arm(at)
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
+            self._reading = 2
             cycle = self.cycle
             parser = self.parser
             if self.transport.is_closing():
@@ -328,6 +405,7 @@ if HttpToolsProtocol is not None:
                 cycle.body(body)
 
         def on_message_complete(self) -> None:
+            self._reading = 0
             cycle = self.cycle
             if type(cycle) is not _InferCycle:
                 super().on_message_complete()
@@ -339,7 +417,7 @@ if HttpToolsProtocol is not None:
 _UVICORN_NAMES = ("cycle", "parser", "url", "headers", "scope", "expect_100_continue", "limit_concurrency",
                   "server_state", "tasks", "loop", "transport", "flow", "on_response_complete",
                   "_unset_keepalive_if_required", "pipeline", "_start_asgi_task", "timeout_keep_alive",
-                  "timeout_keep_alive_task", "timeout_keep_alive_handler")
+                  "timeout_keep_alive_task", "timeout_keep_alive_handler", "connection_made")
 
 
 def _uvicorn_fits() -> bool:

@@ -1,0 +1,125 @@
+"""Slow clients on the REST port (InferProtocol, fastpath.py), over real loopback sockets: a
+request's headers must all arrive within ``headers_timeout`` of its first byte, and its body may go
+``body_timeout`` without a byte; else it is answered 408 and the connection closed. The gRPC port
+bounds the same (grpc_h2: FRAME_TIMEOUT, REQUEST_IDLE_TIMEOUT). Requests that keep coming, however
+slowly, and answers that take long are never cut."""
+
+from __future__ import annotations
+
+import json
+import select
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.runtime.test_http_infer import INFER, LIMIT, Conn, Served, infers, req, served, tensor  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+TIMEOUT = 0.5  # both bounds, in these tests (30 s and 60 s in `serve`)
+
+
+@pytest.fixture
+def short(served: Served, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:  # noqa: F811
+    protocol = served.fast.config.http  # the InferProtocol class `serve` gives uvicorn, read at each timer
+    monkeypatch.setattr(protocol, "headers_timeout", TIMEOUT)
+    monkeypatch.setattr(protocol, "body_timeout", TIMEOUT)
+    yield served
+
+
+def error_of(body: bytes) -> str:
+    return str(json.loads(body)["error"])
+
+
+def test_headers_trickled_a_byte_at_a_time_are_cut_with_408(short: Served) -> None:
+    """A slow loris: each byte comes well within any idle bound, but the headers never end."""
+    before = len(short.errors)
+    conn = Conn(short.port)
+    data = req(INFER, tensor())
+    start = time.monotonic()
+    try:
+        for i in range(60):  # a byte every 0.1 s: 6 s at most, 12 times the bound
+            conn.sock.sendall(data[i:i + 1])
+            if select.select([conn.sock], [], [], 0.1)[0]:
+                break
+        waited = time.monotonic() - start
+        reply = conn.reply()
+        assert (reply.status, reply.headers.get("connection")) == (408, "close")
+        assert "headers did not all arrive within 0.5 s" in error_of(reply.body)
+        assert TIMEOUT * 0.9 <= waited <= TIMEOUT + 2
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+    assert short.errors[before:] == []
+
+
+@pytest.mark.parametrize("path", [INFER, INFER + "?x"], ids=["infer-protocol", "asgi"])
+def test_a_body_that_stops_coming_is_cut_with_408(short: Served, path: str) -> None:
+    """Answered by InferProtocol's own cycle, or for an ASGI app waiting for the body (a query
+    string sends an infer request through ASGI), which is told the client went away."""
+    before, calls = len(short.errors), len(short.calls)
+    conn = Conn(short.port)
+    start = time.monotonic()
+    try:
+        reply = conn.send(req(path, tensor())[:-10]).reply()
+        waited = time.monotonic() - start
+        assert (reply.status, reply.headers.get("connection")) == (408, "close")
+        assert error_of(reply.body) == "the request's body had no data for 0.5 s"
+        assert TIMEOUT * 0.9 <= waited <= TIMEOUT + 2
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+    assert len(short.calls) - calls == (1 if "?" in path else 0)  # the path it took
+    assert short.errors[before:] == []
+
+
+def test_a_body_that_keeps_coming_slowly_is_not_cut(short: Served) -> None:
+    data = req(INFER, tensor())
+    head = data.index(b"\r\n\r\n") + 4
+    conn = Conn(short.port)
+    try:
+        conn.send(data[:head])
+        step = len(data[head:]) // 8 + 1
+        for i in range(head, len(data), step):  # 9 parts, 0.2 s apart: 1.8 s, over 3 times the bound
+            time.sleep(0.2)
+            conn.send(data[i:i + step])
+        assert conn.reply().status == 200
+    finally:
+        conn.close()
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_without_an_answer(short: Served) -> None:
+    conn = Conn(short.port)
+    start = time.monotonic()
+    try:
+        conn.sock.settimeout(TIMEOUT + 3)
+        assert conn.file.read(1) == b""
+        assert TIMEOUT * 0.9 <= time.monotonic() - start <= TIMEOUT + 2
+    finally:
+        conn.close()
+
+
+def test_a_slow_answer_is_not_cut_and_a_stalled_request_behind_it_closes_the_connection_after_it(
+        short: Served, infers: list[str]) -> None:  # noqa: F811
+    """The answer takes 0.6 s (more than either bound): the server is busy, not the client. The
+    next request's headers, begun and stalled meanwhile, are not answered 408 in the middle of
+    the answer before them: the connection closes once that answer is out."""
+    conn = Conn(short.port)
+    try:
+        reply = conn.send(req(INFER, tensor(), ("x-slow", "1")), req(INFER, tensor())[:30]).reply()
+        assert (reply.status, reply.headers.get("connection")) == (200, "close")
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
+    assert infers == ["scorer/None"]
+
+
+def test_a_refused_request_whose_body_stops_coming_is_closed_without_a_second_answer(short: Served) -> None:
+    """Refused (413) on its declared length before its body came: a stalled body gets no 408."""
+    conn = Conn(short.port)
+    try:
+        reply = conn.send(req(INFER, b"", ("Content-Length", str(LIMIT + 100)), framing=False), b"{" * 10).reply()
+        assert reply.status == 413
+        assert conn.closed_by_server()
+    finally:
+        conn.close()
