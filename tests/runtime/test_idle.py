@@ -45,6 +45,8 @@ def test_an_idle_version_is_unloaded_and_loads_again_for_its_next_request(
     size = (large_dir / "large.mnn").stat().st_size
     try:
         url = server.url
+        for _ in range(2 * workers):  # each worker's first /metrics allocates what it keeps: not in the baseline
+            metric(url, "mnn_runtime_memory_pss_bytes")
         loaded_pss = metric(url, "mnn_runtime_memory_pss_bytes")
         # Unloaded once idle: the stable version, idle as long, stays.
         state = wait_for(lambda: versions(url)["large"]["state"] == "offloaded" and versions(url), 20,
@@ -55,8 +57,11 @@ def test_an_idle_version_is_unloaded_and_loads_again_for_its_next_request(
         assert metric(url, "mnn_version_memory_bytes", version="large") == 0
         assert metric(url, "mnn_version_offloaded", version="large") == 1
         assert metric(url, "mnn_version_offloaded", version="v1") == 0
-        # Its memory is gone from every process (with workers: the supervisor's and theirs).
-        freed = wait_for(lambda: (d := loaded_pss - metric(url, "mnn_runtime_memory_pss_bytes")) >= 0.8 * size
+        # Its memory is gone from every process (with workers: the supervisor's and theirs). Shared
+        # pages stay while any one process holds them, so a process that kept its copy leaves the sum
+        # near where it was. Freed in all, ~88% of the file size comes back with workers (~5 MB
+        # stays in each process's heap), 97% in one process.
+        freed = wait_for(lambda: (d := loaded_pss - metric(url, "mnn_runtime_memory_pss_bytes")) >= 0.7 * size
                          and d, 20, f"{size} bytes freed")
         print(f"freed {freed / 1e6:.1f} MB of a {size / 1e6:.1f} MB model")
         # Keyed traffic never reaches it (weight 0), so it stays unloaded while v1 serves.
