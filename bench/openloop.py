@@ -15,7 +15,9 @@ A client only sends request ``k`` on one of its connections and reports when it 
   costs more per request: on this 2-core machine it fell seconds behind at 4,000 req/s;
 - gRPC: ``grpc_open_loop`` below, a minimal HTTP/2 client on asyncio (prebuilt frames, HPACK
   from the runtime's decoder) that sends each unary call at its due time on one of a few
-  connections, any number of calls in flight on each; h2load has no fixed request rate.
+  connections, any number of calls in flight on each. h2load's fixed rate (``--rps``, per
+  client) was measured and not used: its calls leave in bursts on each client's timer, up to 10 ms
+  off a uniform schedule at 5,000 calls/s (bench/RESULTS.md, eighth pass).
 
 Both report (``OpenLoop``) sent / answered / failed, p50, p99, p99.9 and the generator's worst lag
 (how late a request left after its due time: when it nears the latencies, the generator, not the
