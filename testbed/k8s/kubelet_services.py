@@ -17,6 +17,7 @@ Not simulated: UDP/SCTP, sessionAffinity, NodePort/LoadBalancer/ExternalName, ex
 topology, traffic policies, serving-but-terminating endpoints, headless Services (no address).
 """
 import asyncio
+import functools
 import random
 import socket
 import struct
@@ -121,11 +122,12 @@ class ServiceProxy:
                 self.addresses[key] = self.ips.allocate(list(by_port))
         self._seen = current
         seen_at = time.monotonic()
-        snapshot = [(k, self.addresses[k], v[1]) for k, v in changes.items()] + [(k, None, {}) for k in gone]
+        snapshot: list[tuple[Key, str | None, dict[int, tuple[Endpoint, ...]]]] = [
+            *((k, self.addresses[k], v[1]) for k, v in changes.items()), *((k, None, {}) for k in gone)]
         for key in gone:
             self.addresses.pop(key, None)
-        self._loop.call_soon_threadsafe(
-            self._loop.call_later, max(0.0, self.delay - (time.monotonic() - seen_at)), self._apply, snapshot)
+        delay = max(0.0, self.delay - (time.monotonic() - seen_at))
+        self._loop.call_soon_threadsafe(lambda: self._loop.call_later(delay, self._apply, snapshot))
 
     def listening(self, namespace: str, name: str) -> dict[int, tuple[Endpoint, ...]]:
         """The ports the Service listens on now, each with the endpoints new connections go to."""
@@ -153,8 +155,8 @@ class ServiceProxy:
             for (k, port) in [lk for lk in self._listeners if lk[0] == key]:
                 if address is None or port not in by_port or self._listeners[(k, port)].address != address:
                     with self._lock:
-                        lst = self._listeners.pop((k, port))
-                    lst.server.close()
+                        closed = self._listeners.pop((k, port))
+                    closed.server.close()
             if address is None:
                 self.event(f'service {key[0]}/{key[1]}: gone')
                 continue
@@ -163,7 +165,7 @@ class ServiceProxy:
                 if lst is None:
                     try:
                         server = await asyncio.start_server(
-                            lambda r, w, k=key, p=port: self._forward(r, w, k, p), address, port)
+                            functools.partial(self._forward, key=key, port=port), address, port)
                     except OSError as e:
                         self.event(f'service {key[0]}/{key[1]}: cannot listen on {address}:{port}: {e}')
                         continue

@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -252,7 +253,7 @@ class _FakeTransport:
         pass
 
 
-def _fuzz_frames() -> object:
+def _fuzz_frames() -> Any:  # a hypothesis strategy of list[bytes] (hypothesis is imported lazily)
     from hypothesis import strategies as st
 
     one = st.builds(lambda kind, flags, sid, payload: h2.frame(kind, flags, sid, payload),
