@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -390,9 +391,16 @@ def _response(
     return head + b"".join(raw), len(head)
 
 
+_NATIVE_IS_WIRE = sys.byteorder == "little"
+
+
 def _wire_bytes(arr: np.ndarray) -> bytes:
-    """An output's values as raw little-endian bytes (the binary extension's and gRPC's form)."""
-    return np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+    """An output's values as raw little-endian bytes in C order (the binary extension's and gRPC's
+    form). tobytes writes C order whatever the array's layout; a native little-endian array (every
+    output on a little-endian host) goes as it is: one call, not three (~1 µs a call)."""
+    if _NATIVE_IS_WIRE and arr.dtype.isnative:
+        return arr.tobytes()
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 def _raw_outputs(state: VersionState, outputs: list[np.ndarray], wanted: list[str] | None,

@@ -100,8 +100,8 @@ class GrpcError(Exception):
         self.code, self.message, self.trailers = code, message, trailers
 
 
-# A unary method: (request message, its metadata: a dict of its own, without pseudo-headers) ->
-# (response message, trailing metadata)
+# A unary method: (request message, its text metadata: a dict of its own, without pseudo-headers
+# or -bin keys) -> (response message, trailing metadata)
 Handler = Callable[[bytes, dict[str, str]], Awaitable[tuple[bytes, tuple[tuple[str, str], ...]]]]
 
 
@@ -129,13 +129,15 @@ class _Stream:
 
 
 def _split(headers: list[tuple[str, str]]) -> tuple[dict[str, str], dict[str, str], int]:
-    """(pseudo-headers, metadata, size as SETTINGS_MAX_HEADER_LIST_SIZE counts it) of a header list."""
+    """(pseudo-headers, text metadata, size as SETTINGS_MAX_HEADER_LIST_SIZE counts it) of a header
+    list. Binary metadata (keys ending in ``-bin``, base64 values) is counted and left out: no
+    handler reads it, and a header block is split once however many calls carry it (``_prepared``)."""
     pseudo, meta, size = {}, {}, 0
     for name, value in headers:
         size += len(name) + len(value) + 32
         if name[:1] == ":":
             pseudo[name] = value
-        else:
+        elif not name.endswith("-bin"):
             meta[name] = value
     return pseudo, meta, size
 
@@ -255,35 +257,43 @@ class H2Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self.buffer
-        buf += data
+        if buf:  # the rest of a frame (or preface) begun in an earlier read: read on from its start
+            buf += data
+            data = bytes(buf)
+            buf.clear()
+        # else (nearly every read: whole frames) the frames are read from data itself, each payload
+        # one slice of it; what is left of a frame not yet whole waits in buf
         pos = 0
         if not self.preface_seen:
-            if len(buf) < 24:
-                if not PREFACE.startswith(bytes(buf)):
+            if len(data) < 24:
+                if not PREFACE.startswith(data):
                     self._connection_error(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    return
+                buf += data
                 return
-            if buf[:24] != PREFACE:
+            if data[:24] != PREFACE:
                 self._connection_error(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
                 return
             self.preface_seen = True
             pos = 24
-        end = len(buf)
+        end = len(data)
         unpack = _FRAME_HEAD.unpack_from
         while end - pos >= 9 and not self.closed:
-            hi, lo, kind, flags, stream_id = unpack(buf, pos)
+            hi, lo, kind, flags, stream_id = unpack(data, pos)
             length = (hi << 16) | lo
             if length > MAX_FRAME:
                 self._connection_error(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 return
             if end - pos - 9 < length:
                 break
-            payload = bytes(buf[pos + 9:pos + 9 + length])
+            payload = data[pos + 9:pos + 9 + length]
             pos += 9 + length
             try:
                 self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
             except hpack.HPACKError as exc:
                 self._connection_error(COMPRESSION_ERROR, str(exc))
-        del buf[:pos]
+        if pos < end and not self.closed:
+            buf += data[pos:] if pos else data
         self.consumed += pos
         if (buf or self.continuing is not None) and self.stall is None and not self.closed:
             self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, self.consumed)

@@ -77,3 +77,19 @@ def test_binary_bodies_whose_lengths_lie_get_400(server: RuntimeServer, header: 
 def test_a_non_numeric_header_length_gets_400(server: RuntimeServer) -> None:
     r = httpx.post(server.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": "lots"})
     assert r.status_code == 400 and "'lots' is not a byte count" in r.json()["error"]
+
+
+@pytest.mark.parametrize("arr", [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),  # not C order
+    np.arange(24, dtype=np.int64).reshape(4, 6)[::2, 1::2],  # a strided view
+    np.arange(6, dtype=">f4").reshape(2, 3),  # big-endian
+    np.array([True, False, True]),
+    np.arange(5, dtype=np.uint8),
+], ids=["c-order", "fortran", "strided", "big-endian", "bool", "uint8"])
+def test_outputs_go_as_little_endian_bytes_in_c_order(arr: np.ndarray) -> None:
+    from mnn_runtime.dataplane import _wire_bytes
+
+    got = _wire_bytes(arr)
+    assert got == b"".join(np.array(v, dtype=arr.dtype.newbyteorder("<")).tobytes() for v in arr.flat)
+    np.testing.assert_array_equal(np.frombuffer(got, dtype=arr.dtype.newbyteorder("<")).reshape(arr.shape), arr)

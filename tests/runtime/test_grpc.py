@@ -20,7 +20,8 @@ import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from mnn_runtime.grpc_server import GrpcThread, serve_with_uvicorn
+from mnn_runtime.dataplane import InferResult
+from mnn_runtime.grpc_server import GrpcThread, infer_response, serve_with_uvicorn
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
 from mnn_runtime.model import LoadedModel
@@ -132,6 +133,28 @@ def grpc_error(call: Any) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as info:
         call()
     return info.value
+
+
+@pytest.mark.parametrize("version, request_id, tensors", [
+    ("v2", "", [("score", "FP32", [1, 1], b"\x00\x00\x80?")]),
+    ("", "req-é-1", [("score", "FP32", [3, 1], b"\x01" * 12)]),
+    ("v1", "x" * 200, [("a", "FP32", [4, 100], b"\x02" * 1600), ("b", "INT64", [], b"\x03" * 8),
+                       ("c", "UINT8", [70000], b"\x04" * 70000)]),
+    ("v3", "id", []),
+])
+def test_the_response_is_the_bytes_protobuf_serializes(version: str, request_id: str,
+                                                        tensors: list[tuple[str, str, list[int], bytes]]) -> None:
+    """infer_response reuses serialized pieces: each call (a first and a cached second) must give
+    exactly what protobuf gives for the whole message, which clients parse back the same."""
+    result = InferResult(200, b"", version or None, id=request_id, tensors=tensors)
+    expected = pb.ModelInferResponse(
+        model_name="scorer", model_version=version, id=request_id,
+        outputs=[pb.ModelInferResponse.InferOutputTensor(name=n, datatype=d, shape=s) for n, d, s, _ in tensors],
+        raw_output_contents=[data for *_, data in tensors])
+    for _ in range(2):
+        got = infer_response("scorer", result)
+        assert got == expected.SerializeToString()
+        assert pb.ModelInferResponse.FromString(got) == expected
 
 
 def test_health_and_server_metadata(served: Served) -> None:

@@ -103,8 +103,13 @@ def server() -> Iterator[tuple[h2.GrpcServer, asyncio.AbstractEventLoop]]:
         await asyncio.sleep(float(metadata.get("x-sleep", "0.3")))
         return b"done", ()
 
+    async def keys(message: bytes, metadata: dict[str, str]) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+        seen = ",".join(sorted(metadata)).encode()
+        metadata.clear()  # the handler's own dict: the next call with the same header block is not affected
+        return seen, ()
+
     async def start() -> h2.GrpcServer:
-        srv = h2.GrpcServer({"/t.S/Echo": echo, "/t.S/Slow": slow}, lambda: 1000)
+        srv = h2.GrpcServer({"/t.S/Echo": echo, "/t.S/Slow": slow, "/t.S/Keys": keys}, lambda: 1000)
         await srv.bind(HOST, 0)
         return srv
 
@@ -122,6 +127,15 @@ def test_a_unary_call_answers_headers_message_and_trailers(server: tuple[h2.Grpc
     assert data == struct.pack(">BI", 0, 5) + b"hello"
     headers, _, _ = c.answer(c.call("/t.S/Nope", b""))
     assert headers["grpc-status"] == str(h2.UNIMPLEMENTED)
+
+
+def test_handlers_get_text_metadata_of_their_own(server: tuple[h2.GrpcServer, asyncio.AbstractEventLoop]) -> None:
+    c = Client(server[0].bound_port)
+    extra = {"x-user-id": "u1", "x-trace-bin": "AAEC", "grpc-timeout": "5S"}
+    for _ in range(3):  # the same header block each time: split once, each call its own dict
+        headers, data, _ = c.answer(c.call("/t.S/Keys", b"", extra))
+        assert headers["grpc-status"] == "0"
+        assert data[5:] == b"content-type,grpc-timeout,x-user-id"  # binary metadata (-bin) left out
 
 
 def test_a_message_over_the_limit_is_refused_from_its_prefix_alone(server: tuple[h2.GrpcServer, asyncio.AbstractEventLoop]) -> None:
@@ -297,3 +311,39 @@ def test_no_sequence_of_frames_raises_out_of_the_connection() -> None:
         asyncio.run(main())
 
     run()
+
+
+def test_frames_split_anywhere_between_reads_are_read_as_when_whole() -> None:
+    """The preface and frames cut at every point (one byte a read, a frame head cut, a read ending
+    mid-payload, many frames a read): the same answers, byte for byte, as the stream read whole."""
+    import random
+
+    async def echo(message: bytes, metadata: dict[str, str]) -> tuple[bytes, tuple[tuple[str, str], ...]]:
+        return message + metadata.get("x-user-id", "").encode(), (("x-echoed", "yes"),)
+
+    block = (b"\x83\x86" + hpack.encode_indexed_name(4, "/t.S/Echo") + hpack.encode_indexed_name(31, "application/grpc"))
+    stream = h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b"")
+    for sid in (1, 3, 5):
+        extra = hpack.encode_literal("x-user-id", f"user-{sid}")
+        stream += (h2.frame(h2.HEADERS, h2.END_HEADERS, sid, block + extra)
+                   + h2.frame(h2.DATA, h2.END_STREAM, sid, struct.pack(">BI", 0, 3 * sid) + b"m" * (3 * sid)))
+
+    def answers(cuts: list[int]) -> bytes:
+        async def main() -> bytes:
+            conn = h2.H2Connection(h2.GrpcServer({"/t.S/Echo": echo}, lambda: 1 << 20))
+            transport = _FakeTransport()
+            conn.connection_made(transport)  # type: ignore[arg-type]
+            for a, b in zip([0, *cuts], [*cuts, len(stream)]):
+                conn.data_received(stream[a:b])
+            assert not conn.buffer and not transport.closed
+            conn.connection_lost(None)
+            return bytes(transport.out)
+        return asyncio.run(main())
+
+    whole = answers([])
+    assert whole.count(b"x-echoed") == 3 and b"mmmuser-1" in whole and b"m" * 15 + b"user-5" in whole
+    rng = random.Random(7)
+    splits = [list(range(1, len(stream))), [10, 24, 30, 33]]
+    splits += [sorted(rng.sample(range(1, len(stream)), k)) for k in (2, 5, 20, 60) for _ in range(5)]
+    for cuts in splits:
+        assert answers(cuts) == whole, cuts
