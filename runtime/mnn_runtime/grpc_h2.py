@@ -62,6 +62,7 @@ FRAME_TIMEOUT = 30.0  # seconds to finish a frame (the preface, a header block) 
 REQUEST_IDLE_TIMEOUT = 60.0
 
 _FRAME_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
+_DATA_HEAD = struct.Struct(">BHBBIBI")  # a DATA frame's head, then a gRPC message's prefix (flag, length)
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
@@ -664,17 +665,20 @@ class H2Connection(asyncio.Protocol):
         stream.answered = True
         self._stop_timer(stream)
         n = len(reply)
-        body = struct.pack(">BI", 0, n) + reply
         sid = stream.id
         if n + 5 <= min(self.send_window, stream.send_window + self.peer_initial_window, self.peer_max_frame):
             self.send_window -= n + 5
             stream.send_window -= n + 5
-            self._write(frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS) + frame(DATA, 0, sid, body)
-                        + frame(HEADERS, END_STREAM | END_HEADERS, sid, trailer_block))
+            d, t = n + 5, len(trailer_block)
+            # HEADERS, DATA (its head and the message's prefix packed at once), trailers: one write
+            self._write(b"".join((_FRAME_HEAD.pack(0, len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, sid),
+                                  _RESPONSE_HEADERS, _DATA_HEAD.pack(d >> 16, d & 0xFFFF, DATA, 0, sid, 0, n), reply,
+                                  _FRAME_HEAD.pack(t >> 16, t & 0xFFFF, HEADERS, END_STREAM | END_HEADERS, sid),
+                                  trailer_block)))
             self._done(stream)
             return
         self._write(frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS))
-        stream.pending = bytearray(body)
+        stream.pending = bytearray(struct.pack(">BI", 0, n) + reply)
         stream.trailers = trailer_block
         self.waiting[sid] = stream
         self._flush(stream)

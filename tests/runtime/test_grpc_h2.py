@@ -148,6 +148,19 @@ def test_a_message_over_the_limit_is_refused_from_its_prefix_alone(server: tuple
     assert c.answer(c.call("/t.S/Echo", b"ok"))[0]["grpc-status"] == "0"  # the connection goes on
 
 
+def test_an_answer_of_more_than_64_kb_goes_in_one_frame_to_a_peer_that_takes_it(
+        server: tuple[h2.GrpcServer, asyncio.AbstractEventLoop]) -> None:
+    """A DATA frame's length has 24 bits: an answer of 70,005 bytes (over 16) in one frame, to a
+    peer whose SETTINGS_MAX_FRAME_SIZE and windows allow it."""
+    c = Client(server[0].bound_port, window=1 << 20)
+    c.sock.sendall(h2.frame(h2.SETTINGS, 0, 0, struct.pack(">HI", 0x5, 1 << 20))
+                   + h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20)))
+    headers, data, kinds = c.answer(c.call("/t.S/Echo", b"y" * 100, {"x-repeat": "700"}))
+    assert headers["grpc-status"] == "0"
+    assert data == struct.pack(">BI", 0, 70000) + b"y" * 70000
+    assert kinds.count(h2.DATA) == 1
+
+
 def test_an_answer_larger_than_the_client_window_waits_for_window_updates(server: tuple[h2.GrpcServer, asyncio.AbstractEventLoop]) -> None:
     c = Client(server[0].bound_port, window=100)
     sid = c.call("/t.S/Echo", b"x" * 100, {"x-repeat": "5"})  # 505 bytes of DATA against a 100-byte window
