@@ -397,7 +397,7 @@ _NATIVE_IS_WIRE = sys.byteorder == "little"
 def _wire_bytes(arr: np.ndarray) -> bytes:
     """An output's values as raw little-endian bytes in C order (the binary extension's and gRPC's
     form). tobytes writes C order whatever the array's layout; a native little-endian array (every
-    output on a little-endian host) goes as it is: one call, not three (~1 µs a call)."""
+    output on a little-endian host) goes as it is: one numpy call, not three."""
     if _NATIVE_IS_WIRE and arr.dtype.isnative:
         return arr.tobytes()
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
