@@ -17,6 +17,7 @@ fork), the messages between them (``workers_channel``), the pod-wide metrics
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -36,6 +37,11 @@ from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOA
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
+
+# accept() failing for want of resources (descriptors, kernel memory) fails again at once: the
+# listener is left alone this long instead of being retried in a tight loop (asyncio's own delay)
+ACCEPT_RETRY_SECONDS = 1.0
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class Supervisor(WorkerPool):
@@ -74,6 +80,7 @@ class Supervisor(WorkerPool):
         self._loader: threading.Thread | None = None  # applying a config (loading) off the main loop
         self._loaded: list[bool] = []  # the loader's answer: must the workers be replaced?
         self._main_calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._accept_paused: dict[socket.socket, float] = {}  # listener -> when to try accept() again
 
     def offer(self, config: Any, text: bytes = b"") -> None:
         """Hand a new config to the supervisor loop (thread-safe, returns at once); ``text`` is
@@ -123,7 +130,13 @@ class Supervisor(WorkerPool):
             for listener in self.listeners:
                 listener.close()
             self.listeners = {}
-        listening = {s.fileno(): s for s in self.listeners}
+        now = time.monotonic()
+        for listener, until in list(self._accept_paused.items()):
+            if until <= now:
+                del self._accept_paused[listener]
+        if self._accept_paused:
+            timeout = min(timeout, min(self._accept_paused.values()) - now)
+        listening = {s.fileno(): s for s in self.listeners if s not in self._accept_paused}
         channels = {ch.fileno(): ch for pid, ch in self._channels.items() if pid not in self.retiring}
         fds = [self._wake_r, *self._ready_fds.values(), *listening, *channels]
         try:
@@ -182,8 +195,12 @@ class Supervisor(WorkerPool):
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of file descriptors, a connection reset while queued
-                log.warning("accept failed: %s", exc)
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:  # the connections wait in the backlog meanwhile
+                    log.warning("accept failed: %s; trying again in %g s", exc, ACCEPT_RETRY_SECONDS)
+                    self._accept_paused[listener] = time.monotonic() + ACCEPT_RETRY_SECONDS
+                else:  # one connection's trouble (reset while queued): the next one
+                    log.warning("accept failed: %s", exc)
                 return
             with conn:
                 if conn.family in (socket.AF_INET, socket.AF_INET6):

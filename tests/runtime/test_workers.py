@@ -383,6 +383,47 @@ def test_a_worker_that_stops_reading_never_blocks_the_supervisor(server: Runtime
     assert server.alive()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_a_supervisor_out_of_descriptors_waits_instead_of_spinning(server: RuntimeServer, tmp_path: Path) -> None:
+    """accept() failing for want of descriptors (EMFILE) fails again at once: the supervisor leaves
+    that listener alone a second at a time, one warning each, instead of retrying in a tight loop
+    (a core and a flood of warnings), and serves the waiting client once descriptors are back."""
+    import resource
+    import socket as socket_mod
+
+    assert server.proc is not None
+    pid, log_path = server.proc.pid, tmp_path / "server.log"
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    in_use = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    lowest_free = min(set(range(len(in_use) + 1)) - in_use)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))  # the next descriptor is over the limit
+    try:
+        client = socket_mod.create_connection((host, int(port)), timeout=10)  # waits in the backlog
+        client.sendall(f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        deadline = time.monotonic() + 10
+        while "Too many open files" not in log_path.read_text():  # it tried, and failed
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.02)
+        cpu, warned = _cpu_seconds(pid), log_path.read_text().count("accept failed")
+        time.sleep(2.5)
+        cpu, warned = _cpu_seconds(pid) - cpu, log_path.read_text().count("accept failed") - warned
+        assert cpu < 0.5, f"the supervisor spun: {cpu:.2f} s of CPU in 2.5 s"
+        assert 1 <= warned <= 4, f"{warned} warnings in 2.5 s"
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    answer = b""
+    while chunk := client.recv(4096):  # accepted at the next try, within a second
+        answer += chunk
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert server.alive()
+
+
 def test_a_changed_file_that_fails_again_is_reported_failed_not_pending(model_dir: Path, tmp_path: Path) -> None:
     """Workers list a changed file as pending until the supervisor replaces them; it must replace
     them even when the new file fails as the old one did, or they would say pending forever."""
