@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "common"), str(ROOT / "runtime"), str(ROOT / "operator")]
 
 from mnn_rollout.local.net import free_port, wait_for  # noqa: E402
-from mnn_rollout.local.process import LocalRuntime  # noqa: E402
+from mnn_rollout.local.process import LocalRuntime, cpu_seconds  # noqa: E402
 from mnn_rollout.local.traffic import Traffic  # noqa: E402
 from mnn_runtime.examples import build_examples  # noqa: E402
 from rollout_operator.children import OWNER_LABEL  # noqa: E402
@@ -66,11 +66,6 @@ class Api:
                 return rsp.status, json.loads(rsp.read() or b"null")
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from mnn_rollout.local.net import free_port
+from mnn_rollout.local.process import cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ROOT / "bench" / "baselines"
@@ -56,14 +57,12 @@ def pss_kb(pid: int) -> int:
 
 def cpu_by_process(pid: int) -> dict[int, float]:
     """User + system CPU seconds used so far by ``pid`` and each of its live descendants."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for p in tree(pid):
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            out[p] = cpu_seconds(p)
+        except OSError:  # it exited meanwhile
             continue
-        out[p] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
     return out
 
 

@@ -666,10 +666,11 @@ class H2Connection(asyncio.Protocol):
         self._stop_timer(stream)
         n = len(reply)
         sid = stream.id
-        if n + 5 <= min(self.send_window, stream.send_window + self.peer_initial_window, self.peer_max_frame):
-            self.send_window -= n + 5
-            stream.send_window -= n + 5
-            d, t = n + 5, len(trailer_block)
+        d = n + 5  # the DATA frame: the message and its prefix
+        if d <= min(self.send_window, stream.send_window + self.peer_initial_window, self.peer_max_frame):
+            self.send_window -= d
+            stream.send_window -= d
+            t = len(trailer_block)
             # HEADERS, DATA (its head and the message's prefix packed at once), trailers: one write
             self._write(b"".join((_FRAME_HEAD.pack(0, len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, sid),
                                   _RESPONSE_HEADERS, _DATA_HEAD.pack(d >> 16, d & 0xFFFF, DATA, 0, sid, 0, n), reply,

@@ -19,6 +19,7 @@ import yaml
 
 from mnn_rollout.contract.routing import RoutingTable
 from mnn_rollout.local.net import write_atomic
+from mnn_rollout.local.process import cpu_seconds
 from mnn_rollout.local.traffic import Traffic
 from mnn_runtime import grpc_h2 as h2
 from tests.runtime.test_metrics import value
@@ -383,11 +384,6 @@ def test_a_worker_that_stops_reading_never_blocks_the_supervisor(server: Runtime
     assert server.alive()
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def test_a_supervisor_out_of_descriptors_waits_instead_of_spinning(server: RuntimeServer, tmp_path: Path) -> None:
     """accept() failing for want of descriptors (EMFILE) fails again at once: the supervisor leaves
     that listener alone a second at a time, one warning each, instead of retrying in a tight loop
@@ -409,9 +405,9 @@ def test_a_supervisor_out_of_descriptors_waits_instead_of_spinning(server: Runti
         while "Too many open files" not in log_path.read_text():  # it tried, and failed
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.02)
-        cpu, warned = _cpu_seconds(pid), log_path.read_text().count("accept failed")
+        cpu, warned = cpu_seconds(pid), log_path.read_text().count("accept failed")
         time.sleep(2.5)
-        cpu, warned = _cpu_seconds(pid) - cpu, log_path.read_text().count("accept failed") - warned
+        cpu, warned = cpu_seconds(pid) - cpu, log_path.read_text().count("accept failed") - warned
         assert cpu < 0.5, f"the supervisor spun: {cpu:.2f} s of CPU in 2.5 s"
         assert 1 <= warned <= 4, f"{warned} warnings in 2.5 s"
     finally:

@@ -15,6 +15,12 @@ import httpx
 from .net import free_port, require_loopback
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (its own, not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 class LocalRuntime:
     """``mnn-rollout serve --config FILE`` as a child process on a loopback port."""
 
