@@ -16,7 +16,9 @@ Against a hostile peer (the port is on the network): resets of running calls hav
 reset), a header block a size, a count of CONTINUATION frames and a decoded size (decompression
 bombs), the request bytes held across a connection's streams a cap (``MAX_BUFFERED``), a frame
 begun must end within ``FRAME_TIMEOUT`` (slow loris), a call's request that stalls between frames is
-let go after ``REQUEST_IDLE_TIMEOUT`` (a swept check, not a timer per call), no control frame walks
+let go after ``REQUEST_IDLE_TIMEOUT`` (a swept check, not a timer per call), a connection with no
+call for ``CONNECTION_IDLE_TIMEOUT`` is sent GOAWAY and closed (one that the client abandoned, or a
+half-open one, was held forever), no control frame walks
 every open stream, and a peer that does not read what it is sent is not read from
 (``pause_writing``). The receive windows are not policed (a peer that overruns them is held by those
 caps instead)."""
@@ -60,6 +62,11 @@ FRAME_TIMEOUT = 30.0  # seconds to finish a frame (the preface, a header block) 
 # and its bytes let go: a stalled upload held its stream and its bytes as long as the connection lived
 # (nginx's client_body_timeout is 60 s too). A request that keeps arriving, however slowly, is never cut.
 REQUEST_IDLE_TIMEOUT = 60.0
+# seconds a connection may go with no call open and none begun before it is sent GOAWAY (NO_ERROR) and
+# closed (within a quarter more: a swept check). A client that went away without closing (its pod
+# deleted, its node cut off: a half-open TCP connection) held its descriptor and its state as long as
+# the process lived. A live client reconnects on its next call, as after grpc-go's MaxConnectionIdle.
+CONNECTION_IDLE_TIMEOUT = 300.0
 
 _FRAME_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
 _DATA_HEAD = struct.Struct(">BHBBIBI")  # a DATA frame's head, then a gRPC message's prefix (flag, length)
@@ -187,6 +194,7 @@ class H2Connection(asyncio.Protocol):
         self.reads: asyncio.TimerHandle | None = None  # the sweep of stalled requests (_reads_due)
         self.reading_paused = False  # by pause_writing: the peer's frames are not read meanwhile
         self.resumed = 0.0  # loop time reading last resumed
+        self.idle: asyncio.TimerHandle | None = None  # the check for a connection with no calls (_idle_due)
 
     # -- transport -------------------------------------------------------------------------------
 
@@ -200,6 +208,7 @@ class H2Connection(asyncio.Protocol):
                 pass
         self.server.connections.add(self)
         self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, 0)  # the preface is due
+        self.idle = self.loop.call_later(CONNECTION_IDLE_TIMEOUT / 4, self._idle_due, 0, 0)
         settings = struct.pack(">HIHIHIHI", 0x3, MAX_STREAMS, 0x4, STREAM_WINDOW, 0x5, MAX_FRAME,
                                0x6, MAX_METADATA)
         self._write(frame(SETTINGS, 0, 0, settings)
@@ -215,6 +224,9 @@ class H2Connection(asyncio.Protocol):
         if self.reads is not None:
             self.reads.cancel()
             self.reads = None
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
         self.server.connections.discard(self)
         for stream in list(self.streams.values()):
             self._cancel(stream)
@@ -310,6 +322,22 @@ class H2Connection(asyncio.Protocol):
             self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, self.consumed)
             return
         self._connection_error(PROTOCOL_ERROR, f"frame not complete after {FRAME_TIMEOUT:g} s")
+
+    def _idle_due(self, last_stream: int, quiet: int) -> None:
+        """Every quarter of ``CONNECTION_IDLE_TIMEOUT``: a quarter is quiet when no call began in it
+        (``last_stream`` did not move: no cost per call) and none is open at its end. After five quiet
+        quarters in a row no call was open for at least the timeout: GOAWAY (NO_ERROR), and the
+        connection closes, having no calls. PINGs and other control frames do not count as calls
+        (grpc-go's MaxConnectionIdle counts the same way)."""
+        self.idle = None
+        if self.closed:
+            return
+        quiet = quiet + 1 if not self.streams and self.last_stream == last_stream else 0
+        if quiet > 4:
+            log.debug("gRPC connection idle for %g s: closed", CONNECTION_IDLE_TIMEOUT)
+            self.goaway(NO_ERROR, b"idle")
+            return
+        self.idle = self.loop.call_later(CONNECTION_IDLE_TIMEOUT / 4, self._idle_due, self.last_stream, quiet)
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self.continuing is not None and kind != CONTINUATION:

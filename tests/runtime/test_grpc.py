@@ -20,6 +20,8 @@ import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from mnn_rollout.local.net import wait_for
+from mnn_runtime import grpc_h2
 from mnn_runtime.dataplane import InferResult
 from mnn_runtime.grpc_server import GrpcThread, infer_response, serve_with_uvicorn
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
@@ -340,3 +342,19 @@ def test_grpc_requests_are_counted_by_version_like_rest(served: Served) -> None:
     assert grpc_ == rest
     assert rest[("v2", "client_error")] == 1 and rest[("unrouted", "client_error")] == 1
     assert rest[("v1", "success")] + rest[("v2", "success")] == 3 + len(keys)
+
+
+def test_a_channel_let_go_when_idle_reconnects_on_its_next_call(small: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpcio's channel after the server closed its idle connection with GOAWAY (NO_ERROR): its next
+    call opens a new connection and is answered, without an error reaching the caller."""
+    monkeypatch.setattr(grpc_h2, "CONNECTION_IDLE_TIMEOUT", 0.4, raising=False)
+    assert small.grpc_thread is not None
+    server = small.grpc_thread.server
+    before, old = server.calls, set(server.connections)
+    with grpc.insecure_channel(small.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ModelReady(pb.ModelReadyRequest(name="scorer", version="v1"), timeout=5).ready
+        mine = wait_for(lambda: [c for c in list(server.connections) if c not in old], 5, "the channel's connection")
+        wait_for(lambda: all(c.closed for c in mine), 5, "the idle connection closed by the server")
+        assert stub.ModelReady(pb.ModelReadyRequest(name="scorer", version="v1"), timeout=5).ready
+        assert not any(c in server.connections for c in mine) and server.calls == before + 2

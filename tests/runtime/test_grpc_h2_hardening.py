@@ -464,3 +464,33 @@ def test_what_the_limits_leave_to_a_well_behaved_client(server: Server) -> None:
         sid = c.call("/t.S/Slow", b"", {"x-sleep": "5"})
         _send(c, h2.frame(h2.RST_STREAM, 0, sid, struct.pack(">I", h2.CANCEL)))
     assert c.answer(c.call("/t.S/Echo", b"still"))[0]["grpc-status"] == "0"
+
+
+def test_a_connection_with_no_call_for_the_idle_timeout_is_sent_goaway_and_closed(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection left with no call (a client gone without closing it: a half-open TCP connection)
+    was held, with its descriptor, as long as the process lived. After CONNECTION_IDLE_TIMEOUT with
+    no call open and none begun it is sent GOAWAY (NO_ERROR: its client reconnects on its next call)
+    and closed. Not one whose call runs longer than that, nor one that keeps calling."""
+    monkeypatch.setattr(h2, "CONNECTION_IDLE_TIMEOUT", 0.8, raising=False)
+    port = server[0].bound_port
+    done, silent, busy, steady = Client(port), Client(port), Client(port), Client(port)
+    assert done.answer(done.call("/t.S/Echo", b"a"))[0]["grpc-status"] == "0"
+    answered = time.monotonic()
+    long_call, called = busy.call("/t.S/Slow", b"", {"x-sleep": "1.6"}), time.monotonic()
+    kinds = []
+    for _ in range(6):  # a call every 0.3 s, 1.8 s in all
+        headers, _, seen = steady.answer(steady.call("/t.S/Echo", b"b"))
+        assert headers["grpc-status"] == "0"
+        kinds += seen
+        time.sleep(0.3)
+    for client, last in ((done, 1), (silent, 0)):
+        f = _until(client, set(), seconds=3)  # before: a socket timeout (never closed)
+        assert _goaway_code(f) == h2.NO_ERROR and f is not None and f[3][8:] == b"idle", f
+        assert struct.unpack(">I", f[3][:4])[0] == last  # no call above it was taken
+        assert _until(client, set()) is None  # then closed
+    assert 0.8 <= time.monotonic() - answered
+    headers, data, seen = busy.answer(long_call)  # after the idle ones were closed: still served
+    assert headers["grpc-status"] == "0" and data[5:] == b"done" and h2.GOAWAY not in seen + kinds, seen + kinds
+    f = _until(busy, set(), seconds=3)  # idle from its answer on (1.6 s after it was called)
+    assert _goaway_code(f) == h2.NO_ERROR and 1.6 + 0.8 <= time.monotonic() - called < 4, f
