@@ -97,7 +97,8 @@ def _token(path: str | None, flag: str = "--admin-token-file") -> str | None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from mnn_rollout.contract.config import ConfigError
-    from mnn_runtime.server import build_runtime, build_runtime_from_configmap, serve, serve_workers
+    from mnn_runtime.server import (build_runtime, build_runtime_from_configmap, raise_open_files_limit, serve,
+                                    serve_workers)
     from mnn_runtime.workers_cpus import usable_cpus
 
     if bool(args.config) == bool(args.configmap):
@@ -120,6 +121,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"error: --workers {args.workers!r}: must be a whole number of at least 1, or 'auto'",
                   file=sys.stderr)
             return 2
+
+    raise_open_files_limit()  # a descriptor per connection: take what the hard limit allows
 
     def build():  # type: ignore[no-untyped-def]
         if args.config:

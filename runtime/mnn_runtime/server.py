@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import socket
 import time
@@ -121,6 +122,27 @@ def build_runtime_from_configmap(ref: str, api: KubeAPI | None = None, wait: flo
             log.warning("configmap %s not readable yet (%s); retrying", ref, exc)
             time.sleep(1)
     return _assemble(text, None, make, admin_token, feedback_token)
+
+
+OPEN_FILES_CEILING = 1 << 20  # what containerd and CRI-O gave containers for years; more only slows fd walks
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit (at most
+    ``OPEN_FILES_CEILING``), as Go's runtime does since 1.19 and nginx's worker_rlimit_nofile: each
+    connection is a descriptor, and containerd 2.0 starts containers at 1024 soft (524288 hard), so
+    a worker stopped taking connections at ~1,000 clients. Workers inherit it. Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_CEILING if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_CEILING)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:  # a sandbox that refuses it: serve within the limit we have
+            log.warning("open files limit left at %d: %s", soft, exc)
+            return soft, soft
+        log.info("open files limit raised from %d to %d", soft, want)
+        return soft, want
+    return soft, soft
 
 
 def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: int,

@@ -420,6 +420,43 @@ def test_a_supervisor_out_of_descriptors_waits_instead_of_spinning(server: Runti
     assert server.alive()
 
 
+def test_workers_take_more_connections_than_a_low_soft_limit_of_open_files(model_dir: Path, tmp_path: Path) -> None:
+    """containerd 2.0 starts containers at 1024 open files (soft; 524288 hard): a worker stopped
+    taking connections at its soft limit. ``serve`` raises the soft limit to the hard one, and the
+    workers inherit it: started at 256 here, 2 workers hold 600 keep-alive connections, each answered."""
+    import resource
+    import socket as socket_mod
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard == resource.RLIM_INFINITY or hard >= 2048, f"this test needs a hard limit of 2048, not {hard}"
+    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "server.log", extra_args=["--workers", "2"])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the server started now
+    try:
+        srv.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    socks: list[socket_mod.socket] = []
+    try:
+        all_serving(srv, tmp_path / "server.log")
+        assert srv.proc is not None
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+        for pid in (srv.proc.pid, *children(srv.proc.pid)):
+            assert resource.prlimit(pid, resource.RLIMIT_NOFILE)[0] == want, pid  # before: 256
+        host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+        request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        for _ in range(600):
+            sock = socket_mod.create_connection((host, int(port)), timeout=10)
+            socks.append(sock)
+            sock.sendall(request)
+        answered = sum(sock.recv(4096).startswith(b"HTTP/1.1 200") for sock in socks)  # before: a timeout
+        assert answered == 600
+        assert len(re.findall(r"worker pid \d+ serves", srv.log())) == 2 and srv.alive()  # none restarted
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
 def test_a_changed_file_that_fails_again_is_reported_failed_not_pending(model_dir: Path, tmp_path: Path) -> None:
     """Workers list a changed file as pending until the supervisor replaces them; it must replace
     them even when the new file fails as the old one did, or they would say pending forever."""
