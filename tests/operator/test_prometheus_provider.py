@@ -43,6 +43,7 @@ class Stack:
     prometheus: Prometheus
     pods: list[RuntimeServer]
     expected: dict[str, tuple[int, int]]  # version -> (requests, errors) over both pods
+    scraped_at: float  # when Prometheus had scraped every request sent (none came after)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             promql = f'sum(mnn_inference_requests_total{{model="scorer",version="{version}"}})'
             prometheus.wait_until(lambda: prometheus.value(promql) == requests, 15,  # noqa: B023
                                   f"Prometheus scraped all {requests} {version} requests")
-        yield Stack(prometheus, pods, expected)
+        yield Stack(prometheus, pods, expected, time.time())
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -81,9 +82,28 @@ PROVIDER = {"type": "prometheus", "address": "http://127.0.0.1:9090"}
 
 
 def ctx(model: str = "scorer", versions: tuple[str, ...] = ("v2", "v1", "v2-breaking"),
-        metrics: tuple[MetricSpec, ...] = ()) -> SampleContext:
+        metrics: tuple[MetricSpec, ...] = (), since: float | None = None) -> SampleContext:
     return SampleContext(key="uid-1", namespace="default", name="scorer", model=model, versions=versions,
-                         interval_seconds=WINDOW_SECONDS, metrics=metrics)
+                         interval_seconds=WINDOW_SECONDS, metrics=metrics, since=since)
+
+
+def test_a_step_is_judged_on_its_own_traffic_never_on_what_came_before_it(stack: Stack) -> None:
+    """The window ends at the step's start (``since``): a step that began after the traffic sees
+    none of it, and one too young for a window sees no data (inconclusive). Before, every window
+    was the whole interval: a canary file edited in place (the step restarted at once) passed on
+    the old file's traffic and was promoted."""
+    provider = PrometheusProvider(stack.prometheus.url)
+    young = provider.sample(ctx(since=time.time() - 3))
+    for sample in young.values():
+        assert sample.error is not None and "the step began 3 s ago" in sample.error, sample
+    assert evaluate(AnalysisSpec(), young["v2"], young["v1"], now=0.0).verdict == INCONCLUSIVE
+    since = stack.scraped_at + 1.0  # after the last request was scraped
+    time.sleep(max(0.0, since + 11 - time.time()))
+    after = provider.sample(ctx(since=since))
+    for version in stack.expected:
+        assert after[version].error is None and after[version].requests == 0, (version, after[version])
+    whole = provider.sample(ctx())  # the same minute, no step start given: the whole interval
+    assert whole["v2"].requests is not None and whole["v2"].requests >= stack.expected["v2"][0] - 1e-6
 
 
 def test_requests_and_errors_per_version_match_the_traffic_sent_within_the_extrapolation(stack: Stack) -> None:

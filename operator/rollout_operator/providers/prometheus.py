@@ -1,7 +1,9 @@
 """The ``prometheus`` provider: PromQL against a Prometheus server.
 
 Unreachable, erroring or empty answers give a Sample with ``error`` or ``None`` values, which the
-analysis treats as inconclusive: a rollout holds, and never promotes, on missing data.
+analysis treats as inconclusive: a rollout holds, and never promotes, on missing data. Every window
+ends at the step's start (``SampleContext.since``): a step younger than ``MIN_WINDOW_SECONDS`` has no
+data yet, never the traffic of the step (or the canary file) before it.
 
 ``compare: stable`` metrics read each role's ``increase()`` since the step started (the stratum's
 counts so far, ``Sample.since_step``); a shadow step reads the shadow version's ``mnn_shadow_*``
@@ -81,8 +83,16 @@ class PrometheusProvider:
             return False
 
     def sample(self, ctx: SampleContext) -> dict[str, Sample]:
-        window = f"{int(max(ctx.interval_seconds, MIN_WINDOW_SECONDS))}s"
         at = time.time()  # every query of one sample at the same instant: errors never exceed requests
+        seconds = max(ctx.interval_seconds, MIN_WINDOW_SECONDS)
+        if ctx.since is not None:  # never a window reaching back before the step: its traffic judged another
+            span = at - ctx.since  # weight, or another file of the canary (an edited uri restarts the step)
+            if span < MIN_WINDOW_SECONDS:
+                why = (f"the step began {max(span, 0.0):.0f} s ago: Prometheus needs a window of at least "
+                       f"{MIN_WINDOW_SECONDS} s")
+                return {version: Sample(error=why) for version in ctx.versions}
+            seconds = min(seconds, span)
+        window = f"{int(seconds)}s"
         out = {}
         for version in ctx.versions:
             values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window)
