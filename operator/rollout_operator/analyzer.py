@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 def analysing(spec: ModelDeploymentSpec, status: RolloutStatus) -> bool:
     """Whether anything is being analysed: a canary at a step with weight or a shadow, or an
-    experiment whose split is served."""
-    if status.phase != Phase.PROGRESSING:
-        return False
+    experiment whose split is served. A paused canary too (spec.paused, or a step waiting for a
+    manual promote): it still serves its users, so a failing one is still rolled back (as Argo
+    Rollouts' background analysis runs through a pause)."""
     if spec.experiment is not None:
-        return experiment.running(status) and status.step_started_at is not None
+        return status.phase == Phase.PROGRESSING and experiment.running(status) and status.step_started_at is not None
+    if status.phase not in (Phase.PROGRESSING, Phase.PAUSED):
+        return False
     return bool(spec.canary) and status.canary_version == spec.canary and (
         status.canary_weight > 0 or bool(status.shadow_percent))
 

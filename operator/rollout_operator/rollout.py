@@ -238,8 +238,11 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
     if world.action == "promote-full":
         return _promote(st, now, events, "promoted fully by a user")
     if spec.paused:
-        # The step clock (pause and progress deadline) stops while paused.
-        return replace(st, phase=Phase.PAUSED, message="paused by spec.paused", paused_at=st.paused_at or now)
+        # The step clock (pause and progress deadline) stops while paused; the analysis goes on (the
+        # canary still serves its users): a failing one is rolled back.
+        st = _record(spec, replace(st, phase=Phase.PAUSED, message="paused by spec.paused",
+                                   paused_at=st.paused_at or now), analysis)
+        return _rollback_if_failed(spec, st, analysis, now, events) or st
     if st.paused_at is not None:
         resumed = (st.step_started_at or now) + (now - st.paused_at)
         st = replace(st, step_started_at=resumed, paused_at=None, phase=Phase.PROGRESSING)
@@ -255,11 +258,16 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
                                                       f"{st.canary_weight}%"))
     st = _record(spec, st, analysis)
+    return _rollback_if_failed(spec, st, analysis, now, events) or _advance(spec, st, analysis, world, now, events)
+
+
+def _rollback_if_failed(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None, now: float,
+                        events: list[Event]) -> RolloutStatus | None:
+    """The rollback a failed check calls for (at once, or after ``failureLimit`` in a row), else None."""
     if analysis is not None and analysis.verdict == "fail" and (
             analysis.immediate or st.failures >= spec.strategy.analysis.failure_limit):
-        worst = analysis.failed_metric()
-        return _rollback(st, Phase.ROLLED_BACK, "AnalysisFailed", worst, now, events)
-    return _advance(spec, st, analysis, world, now, events)
+        return _rollback(st, Phase.ROLLED_BACK, "AnalysisFailed", analysis.failed_metric(), now, events)
+    return None
 
 
 def rollback_target(spec: ModelDeploymentSpec, canary: str | None) -> str | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import kopf
 
-from .analyzer import next_due
+from .analyzer import analysing, next_due
 from .kube import ApiError
 from .ports import WatchCache
 from .reconcile import ACTION_ANNOTATION, ALERT_ANNOTATION, Reconciler
@@ -71,7 +71,8 @@ def child_signature(body: dict[str, Any]) -> tuple[Any, ...]:
 def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resync: float,
               now: float) -> float | None:
     """Seconds until the object must be looked at again without an event; None: only on events."""
-    due = next_due(spec, status) if status.phase == Phase.PROGRESSING else None
+    # a paused canary with users is still checked (analysing): woken when its next check is due
+    due = next_due(spec, status) if status.phase == Phase.PROGRESSING or analysing(spec, status) else None
     polling = status.phase in TIMED or bool(status.pending_action)
     # A version loading inside running pods changes no Kubernetes object: poll while one is.
     loading = pods > 0 and any(not v.get("ready") for v in status.versions)
@@ -79,7 +80,7 @@ def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resyn
         due = status.promoted_at + spec.strategy.scale_down_delay_seconds
     rejected = (condition(status, "ChildRejected") or {}).get("status") == "True"
     if not (polling or loading or rejected):
-        return None
+        return None if due is None else max(0.0, due - now)
     wait = resync if (polling or loading) else max(resync, REJECTED_RETRY_SECONDS)
     if due is not None:
         wait = min(wait, due - now)

@@ -217,6 +217,27 @@ def test_a_step_without_pause_waits_for_a_manual_promote() -> None:
     assert st.weights == {"v2": 60, "v1": 40} and reasons(events) == ["StepAdvanced"]
 
 
+def test_a_paused_canary_is_still_analysed_and_rolled_back_when_it_fails() -> None:
+    """A canary held by spec.paused or by a step waiting for a manual promote still serves its
+    users: it is analysed (before: never, as analysing() wanted phase Progressing) and a failing one
+    is rolled back; a passing one stays paused, its weights unchanged."""
+    from rollout_operator.analyzer import analysing
+
+    manual = spec(strategy={"steps": [{"weight": 20}, {"weight": 60, "pause": "1s"}],
+                            "analysis": {"interval": "1s", "failureLimit": 2,
+                                         "metrics": [{"name": "error-rate", "max": 0.05}]}})
+    for s, st in ((spec(paused=True), progressing()), (manual, progressing(weight=20, weights={"v2": 20, "v1": 80}))):
+        st, _ = decide(s, st, READY, verdict(PASS), T0 + 5)
+        held = dict(st.weights)
+        assert st.phase == Phase.PAUSED and analysing(s, st)
+        st, events = decide(s, st, READY, verdict(FAIL, 0.5, at=T0 + 6), T0 + 6)
+        assert st.phase == Phase.PAUSED and st.weights == held and st.failures == 1 and events == []
+        st, events = decide(s, st, READY, verdict(FAIL, 0.5, at=T0 + 7), T0 + 7)
+        assert st.phase == Phase.ROLLED_BACK and st.weights == {"v1": 100, "v2": 0}
+        assert reasons(events) == ["RolloutAborted"] and st.abort_reason.startswith("AnalysisFailed")
+        assert not analysing(s, st)
+
+
 def test_spec_paused_freezes_the_weights_and_the_step_clock() -> None:
     # 5 s into a 10 s step, paused for far longer than the step and the 120 s progress deadline
     st, events = decide(spec(paused=True), progressing(), READY, verdict(PASS, at=T0 + 4), T0 + 5)

@@ -27,6 +27,9 @@ LOADED = [{"name": "v1", "ready": True, "pods": 2}, {"name": "v2", "ready": True
     (RolloutStatus(phase=Phase.SUCCEEDED, versions=LOADED), 2, None),
     (RolloutStatus(phase=Phase.ROLLED_BACK, versions=LOADED), 2, None),
     (RolloutStatus(phase=Phase.PAUSED, versions=LOADED), 2, None),  # paused: the next event resumes it
+    # ... but a paused canary that serves users is still checked: woken when its next check is due
+    (RolloutStatus(phase=Phase.PAUSED, canary_version="v2", canary_weight=10, versions=LOADED,
+                   analysis={"checkedAt": iso(T0 - 4)}), 2, 6.0),
     (RolloutStatus(phase=Phase.INITIALIZING), 0, None),  # no pods yet: their events wake it
     # a version loading inside running pods changes no object: poll
     (RolloutStatus(phase=Phase.READY, versions=[LOADED[0], {"name": "v2", "ready": False, "pods": 2}]), 2, 2.0),
