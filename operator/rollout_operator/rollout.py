@@ -72,7 +72,7 @@ def decide(
     else:
         st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending)
     st = _record_action(st, world, outcome, why, events)
-    st = _retire(spec, st, now, events)
+    st = _retire(spec, st, world, now, events)
     st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
     st = _readiness(spec, st, world, now)
     return st, events
@@ -132,7 +132,8 @@ def _action_gate(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str | Non
         return IGNORED, f"canary {canary} was rolled back ({st.abort_reason}); retry it first"
     if action == "promote" and spec.paused:
         return IGNORED, "spec.paused is true: resume the rollout first"
-    if action == "promote" and (not started or not world.ready(canary)):
+    if action in ("promote", "promote-full") and (not world.ready(canary) or (action == "promote" and not started)):
+        # promote-full too: a canary not loaded everywhere never takes 100% (its pods serve the stable meanwhile)
         return PENDING, f"canary {canary} is not loaded on every pod yet: {world.reasons.get(canary, 'loading')}"
     return APPLIED, ""
 
@@ -395,11 +396,16 @@ def _step(spec: ModelDeploymentSpec, st: RolloutStatus) -> Any:
 # -- after promotion, readiness ----------------------------------------------------------------
 
 
-def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, now: float, events: list[Event]) -> RolloutStatus:
+def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: float,
+            events: list[Event]) -> RolloutStatus:
     if st.phase != Phase.PROMOTING or st.promoted_at is None:
         return st
     if now - st.promoted_at < spec.strategy.scale_down_delay_seconds:
         return st
+    if not world.ready(st.stable_version or ""):  # the old stable is what serves meanwhile: kept
+        why = world.reasons.get(st.stable_version or "", "not loaded yet")
+        return replace(st, message=f"{st.stable_version} is stable; {st.previous_stable} retires once "
+                                   f"{st.stable_version} is loaded on every pod ({why})")
     # the old stable, and the other versions of an A/B test
     old = sorted({st.previous_stable or "", *(k for k, w in st.weights.items() if w == 0)} - {"", st.stable_version})
     retired = tuple(sorted({*st.retired, *old}))

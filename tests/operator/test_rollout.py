@@ -367,6 +367,25 @@ def test_promote_while_the_canary_is_loading_waits_and_applies_once_it_is_ready(
     assert st.last_action == "promote:1" and st.action_result == "applied" and st.pending_action is None
 
 
+def test_promote_full_waits_for_the_canary_to_load_and_the_old_stable_for_the_new_one() -> None:
+    """promote-full on a canary not loaded everywhere gave it 100% (its pods served the stable by
+    their fallback, while the status said v2); and after the scale-down delay the old stable was
+    retired whether or not the new one served. Now the action waits, and so does the retirement;
+    abort still applies at once."""
+    st, events = decide(spec(), progressing(weight=0), act("promote-full", V2_LOADING), None, T0 + 1)
+    assert st.phase == Phase.PROGRESSING and st.weights == {"v2": 0, "v1": 100} and events == []
+    assert st.pending_action == "promote-full:1: canary v2 is not loaded on every pod yet: pod-a: loading"
+    aborted, _ = decide(spec(), st, act("abort", V2_LOADING, nonce="2"), None, T0 + 2)
+    assert aborted.phase == Phase.ROLLED_BACK and aborted.action_result == "applied"
+    st, events = decide(spec(), st, act("promote-full"), None, T0 + 3)  # loaded now: applied
+    assert st.phase == Phase.PROMOTING and st.weights == {"v2": 100, "v1": 0} and "RolloutPromoted" in reasons(events)
+    st, events = decide(spec(), st, V2_LOADING, None, T0 + 40)  # past the delay, v2 lost on a pod meanwhile
+    assert st.phase == Phase.PROMOTING and routed_versions(spec(), st) == ["v1", "v2"] and events == []
+    assert "v1 retires once v2 is loaded on every pod (pod-a: loading)" in st.message
+    st, events = decide(spec(), st, READY, None, T0 + 41)
+    assert st.phase == Phase.SUCCEEDED and routed_versions(spec(), st) == ["v2"] and reasons(events) == ["RolloutSucceeded"]
+
+
 @pytest.mark.parametrize("status, verb, says", [
     (progressing(), "retry", "nothing to retry: canary v2 is Progressing"),
     (progressing(phase=Phase.ROLLED_BACK, abort_reason="AnalysisFailed: error-rate"), "promote",
