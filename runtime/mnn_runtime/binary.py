@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec import OIP_DTYPES
+from .codec import OIP_DTYPES, count, reshaped
 from .errors import BadRequest
 
 HEADER = "inference-header-content-length"
@@ -26,11 +26,11 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(JSON part, binary part) of a request body."""
     if header_length is None:
         return body, b""
-    if not header_length.isdigit():
-        raise BadRequest(f"{RESPONSE_HEADER}: {header_length!r} is not a byte count")
-    n = int(header_length)
+    n = count(header_length)
+    if n is None:
+        raise BadRequest(f"{RESPONSE_HEADER}: {header_length[:40]!r} is not a byte count")
     if not 0 < n <= len(body):
-        raise BadRequest(f"{RESPONSE_HEADER}: {n} is outside the body of {len(body)} bytes")
+        raise BadRequest(f"{RESPONSE_HEADER}: {header_length[:40]} is outside the body of {len(body)} bytes")
     return body[:n], body[n:]
 
 
@@ -59,7 +59,7 @@ def binary_array(chunk: bytes, datatype: str, shape: tuple[int, ...], where: str
     if len(chunk) != expected:
         raise BadRequest(f"{where}.parameters.binary_data_size: {len(chunk)} bytes, but shape {list(shape)} of "
                          f"{datatype} needs {expected}")
-    arr = np.frombuffer(chunk, dtype=dtype).reshape(shape)
+    arr = reshaped(np.frombuffer(chunk, dtype=dtype), shape, where)
     if dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
         raise BadRequest(f"{where}: holds NaN or infinite values")
     return arr

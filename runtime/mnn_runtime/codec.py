@@ -49,6 +49,15 @@ class TensorSpec:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
 
+def count(text: str) -> int | None:
+    """A count a client wrote as text (a header's byte count, a query's number of runs): ASCII
+    digits, else None; over 18 digits it is read as 10**18, over every limit here. str.isdigit()
+    alone also takes '²' and the other Unicode digits int() refuses, and int() refuses over 4300."""
+    if not text.isascii() or not text.isdigit():
+        return None
+    return int(text) if len(text) <= 18 else 10**18
+
+
 def _field(obj: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in obj:
         raise BadRequest(f"{where}.{key}: required field is missing")
@@ -66,7 +75,7 @@ def decode_tensor(obj: Any, where: str, binary: bool = False) -> tuple[str, str,
     data = None if binary else _field(obj, "data", where)
     if not isinstance(name, str):
         raise BadRequest(f"{where}.name: expected a string, got {name!r}")
-    if datatype not in OIP_DTYPES:
+    if not isinstance(datatype, str) or datatype not in OIP_DTYPES:
         raise BadRequest(f"{where}.datatype: {datatype!r} is not supported; valid: {sorted(OIP_DTYPES)}")
     if (
         not isinstance(shape, list)
@@ -105,7 +114,16 @@ def to_array(data: Any, datatype: str, shape: tuple[int, ...], where: str) -> np
     expected = math.prod(shape)
     if arr.size != expected:
         raise BadRequest(f"{where}.data: has {arr.size} elements but shape {list(shape)} needs {expected}")
-    return arr.reshape(shape)
+    return reshaped(arr, shape, where)
+
+
+def reshaped(arr: np.ndarray, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """``arr`` (of the element count ``shape`` needs) in ``shape``. A shape with a 0 beside a
+    dimension numpy cannot hold ([2**64-1, 0], [0, 2**63-1]) needs no elements, yet is refused."""
+    try:
+        return arr.reshape(shape)
+    except ValueError as exc:
+        raise BadRequest(f"{where}.shape: {list(shape)} is beyond what a tensor can hold: {exc}") from None
 
 
 def check_against_spec(

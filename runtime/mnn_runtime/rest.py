@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from .binary import RESPONSE_HEADER
+from .codec import count
 from .dataplane import VERSION_HEADER, DataPlane
 from .errors import BadRequest, InferenceError, PayloadTooLarge
 from .metrics import CONTENT_TYPE, RuntimeMetrics
@@ -74,7 +75,8 @@ def _obj(payload: dict[str, Any]) -> Response:
 
 def declared_too_large(declared: str, limit: int) -> PayloadTooLarge | None:
     """The 413 for a request whose Content-Length is over ``limit`` (refused before its body is read)."""
-    if declared.isdigit() and int(declared) > limit:
+    size = count(declared)
+    if size is not None and size > limit:
         return PayloadTooLarge(f"body of {declared} bytes is over the limit of {limit} bytes")
     return None
 
@@ -108,8 +110,8 @@ def _runs(text: str | None) -> int:
     """The ``runs`` query parameter: 1..MAX_RUNS, default 10."""
     if text is None:
         return 10
-    runs = int(text) if text.isascii() and text.isdigit() else 0
-    if not 1 <= runs <= MAX_RUNS:
+    runs = count(text)
+    if runs is None or not 1 <= runs <= MAX_RUNS:
         raise BadRequest(f"runs: {text!r} must be a whole number from 1 to {MAX_RUNS}")
     return runs
 

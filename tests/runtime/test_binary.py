@@ -64,6 +64,7 @@ def tensor(size: int, shape: list[int] | None = None) -> dict[str, object]:
         (tensor(256), b"\0" * 256, 7, "not valid JSON"),
         (tensor(-5), b"", None, "binary_data_size: -5 is not a byte count"),
         (tensor(256), np.full(64, np.nan, np.float32).tobytes(), None, "NaN or infinite"),
+        (tensor(0, [0, 2**63 - 1]), b"", None, "inputs[0].shape: [0, 9223372036854775807] is beyond what a tensor"),
     ],
 )
 def test_binary_bodies_whose_lengths_lie_get_400(server: RuntimeServer, header: dict[str, object], binary: bytes,
@@ -74,9 +75,15 @@ def test_binary_bodies_whose_lengths_lie_get_400(server: RuntimeServer, header: 
     assert server.alive()
 
 
-def test_a_non_numeric_header_length_gets_400(server: RuntimeServer) -> None:
-    r = httpx.post(server.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": "lots"})
-    assert r.status_code == 400 and "'lots' is not a byte count" in r.json()["error"]
+@pytest.mark.parametrize(("length", "message"), [
+    (b"lots", "Inference-Header-Content-Length: 'lots' is not a byte count"),
+    (b"\xb2", "Inference-Header-Content-Length: '\u00b2' is not a byte count"),  # '²': isdigit(), yet no int
+    (b"1" * 5000, "Inference-Header-Content-Length: " + "1" * 40 + " is outside the body of 2 bytes"),
+], ids=["word", "superscript-two", "5000-digits"])
+def test_a_header_length_that_is_no_byte_count_gets_400(server: RuntimeServer, length: bytes, message: str) -> None:
+    r = httpx.post(server.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": length})
+    assert r.status_code == 400 and r.json()["error"] == message
+    assert "Traceback" not in server.log()
 
 
 @pytest.mark.parametrize("arr", [

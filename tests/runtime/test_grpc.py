@@ -269,6 +269,19 @@ def test_raw_contents_that_lie_about_their_size_are_invalid_argument(served: Ser
     assert info.value.details() == "binary data: inputs claim 256 bytes but the body carries 512"
 
 
+def test_a_shape_with_a_0_beside_a_huge_dimension_is_invalid_argument_counted_as_a_client_error(
+        served: Served) -> None:
+    request = pb.ModelInferRequest(model_name="scorer", model_version="v1")
+    request.inputs.add(name="features", datatype="FP32", shape=[2**62, 0])
+    before = request_counts(served.runtime.metrics.exposition().decode())
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.ModelInfer(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("inputs[0].shape: [4611686018427387904, 0] is beyond what a tensor can hold")
+    after = request_counts(served.runtime.metrics.exposition().decode())
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {("v1", "client_error"): 1}
+
+
 def test_a_port_in_use_is_an_os_error(small: Served) -> None:
     port = int(small.address.rsplit(":", 1)[1])
     with pytest.raises(OSError, match="cannot bind"):

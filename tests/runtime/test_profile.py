@@ -215,6 +215,8 @@ def test_the_endpoint_profiles_a_loaded_version_like_the_command(server: Runtime
     ("/v2/models/scorer/versions/v1/profile?runs=1001", 400, "runs: '1001' must be a whole number from 1 to 1000"),
     ("/v2/models/scorer/versions/v1/profile?runs=ten", 400, "runs: 'ten'"),
     ("/v2/models/scorer/versions/v1/profile?runs=", 400, "runs: ''"),
+    ("/v2/models/scorer/versions/v1/profile?runs=%C2%B2", 400, "runs: '\u00b2' must be a whole number"),  # '²'
+    ("/v2/models/scorer/versions/v1/profile?runs=" + "1" * 5000, 400, "runs: '11111"),  # int() takes <= 4300
 ])
 def test_the_endpoint_refuses_what_it_cannot_profile(server: RuntimeServer, path: str, status: int,
                                                      message: str) -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mnn_runtime.model import LoadedModel
 from mnn_rollout.contract.routing import RoutingTable
+from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
 INFER = "/v2/models/scorer/infer"
@@ -177,10 +178,14 @@ BAD_REQUESTS = [
     ({"inputs": ["x"]}, "inputs[0]: expected an object"),
     ({"inputs": [{"name": "features", "shape": [1, 64], "data": [0.1] * 64}]}, "inputs[0].datatype: required"),
     ({"inputs": [tensor(datatype="BYTES")]}, "inputs[0].datatype: 'BYTES' is not supported"),
+    ({"inputs": [tensor(datatype=["FP32"])]}, "inputs[0].datatype: ['FP32'] is not supported"),
+    ({"inputs": [tensor(datatype={})]}, "inputs[0].datatype: {} is not supported"),
     ({"inputs": [tensor(datatype="INT32", data=[1] * 64)]}, "INT32 does not match input 'features' of type FP32"),
     ({"inputs": [tensor(shape=[1, -64])]}, "inputs[0].shape: [1, -64] is not a non-empty list"),
     ({"inputs": [tensor(shape="1x64")]}, "inputs[0].shape: '1x64'"),
     ({"inputs": [tensor(shape=[1, 65])]}, "has 64 elements but shape [1, 65] needs 65"),
+    ({"inputs": [tensor(shape=[2**64 - 1, 0], data=[])]},
+     "inputs[0].shape: [18446744073709551615, 0] is beyond what a tensor can hold"),
     ({"inputs": [tensor(shape=[1, 80], data=[0.1] * 80)]}, "does not match input 'features' shape [-1, 64]"),
     ({"inputs": [tensor(shape=[64], data=[0.1] * 64)]}, "has rank 1"),
     ({"inputs": [tensor(shape=[0, 64], data=[])]}, "inputs[0].shape[0]: batch size 0 is outside 1-1024"),
@@ -204,6 +209,25 @@ def test_bad_requests_get_400_naming_the_field(client: httpx.Client, payload: ob
     r = client.post(INFER, content=content, headers={"X-User-Id": "bad", "Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert message in err(r)
+
+
+def test_bad_input_pinned_to_a_version_counts_as_its_client_error_and_logs_no_traceback(
+        server: RuntimeServer, client: httpx.Client) -> None:
+    """Input the codec once failed on with a 500 (an unhashable datatype, a shape numpy cannot hold)
+    counted as a server error of the version it was pinned to: a client could push a healthy
+    canary's error rate up and have it rolled back."""
+    bad = [tensor(datatype=["FP32"]), tensor(datatype={}), tensor(shape=[2**64 - 1, 0], data=[])]
+
+    def counted(outcome: str) -> float:
+        return value(client.get("/metrics").text, "mnn_inference_requests_total", model="scorer", version="v2",
+                     outcome=outcome)
+
+    before = {o: counted(o) for o in ("client_error", "server_error")}
+    for t in bad:
+        r = client.post("/v2/models/scorer/versions/v2/infer", json={"inputs": [t]})
+        assert r.status_code == 400, r.text
+    assert {o: counted(o) - n for o, n in before.items()} == {"client_error": len(bad), "server_error": 0}
+    assert "Traceback" not in server.log()
 
 
 def test_a_batch_over_the_limit_is_refused(client: httpx.Client) -> None:
