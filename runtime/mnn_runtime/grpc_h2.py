@@ -536,7 +536,8 @@ class H2Connection(asyncio.Protocol):
 
     def _deadline(self, stream: _Stream, text: str) -> None:
         unit = _TIMEOUT_UNITS.get(text[-1:])
-        if unit is None or not text[:-1].isdigit() or len(text) > 9:
+        # ASCII digits: str.isdigit() alone takes '²' too, and int() refusing it raised out of data_received
+        if unit is None or not text[:-1].isascii() or not text[:-1].isdigit() or len(text) > 9:
             self._answer_error(stream, INTERNAL, f"grpc-timeout: {text!r} is not a timeout")
             return
         seconds = int(text[:-1]) * unit

@@ -171,6 +171,21 @@ def test_trailers_after_end_stream_are_a_stream_closed_error(server: Server) -> 
     assert _goaway_code(f) == STREAM_CLOSED, f
 
 
+@pytest.mark.parametrize("timeout", ["\xb2S", "1\xb2m", "abc"], ids=["superscript-two", "digit-then-it", "word"])
+def test_a_grpc_timeout_that_is_no_timeout_fails_its_call_alone(server: Server, timeout: str) -> None:
+    """'²' passes str.isdigit() but not int(): the ValueError escaped data_received and uvloop closed
+    the connection, losing the other calls in flight on it (behind a proxy, other clients' calls)."""
+    c = Client(server[0].bound_port)
+    first = c.call("/t.S/Echo", b"", end=False, prefix=struct.pack(">BI", 0, 5))  # its message still to come
+    bad = c.call("/t.S/Echo", b"bad", {"grpc-timeout": timeout})
+    headers, _, _ = c.answer(bad)
+    assert headers["grpc-status"] == str(h2.INTERNAL), headers
+    assert headers["grpc-message"] == f"grpc-timeout: {timeout!r} is not a timeout".replace("\xb2", "%C2%B2")
+    _send(c, h2.frame(h2.DATA, h2.END_STREAM, first, b"after"))
+    headers, data, _ = c.answer(first)
+    assert headers["grpc-status"] == "0" and data == _message(b"after")
+
+
 def test_a_half_sent_frame_times_out(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that sends part of a frame (or of the preface) and then nothing held its buffer
     (up to a 1 MiB frame) and its connection forever."""
