@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,8 +107,8 @@ def drift(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
     """The fields of a rendered child whose live value differs from what was rendered, as paths
     (``spec.replicas``, ``data[runtime.yaml].weights.v2``, ``metadata.labels[app]``). Only what the
     operator renders counts: fields the server defaults or others add are not drift. Quantities
-    compare by value (the API server writes ``0.5`` back as ``500m``); the routing config's YAML
-    compares as data, so its edited keys are named."""
+    (``QUANTITY_PATH``) compare by value (the API server writes ``0.5`` back as ``500m``, ``1024Mi``
+    as ``1Gi``); the routing config's YAML compares as data, so its edited keys are named."""
     out: list[str] = []
     for key, want in desired.items():
         if key in ("apiVersion", "kind", "status"):
@@ -159,10 +160,18 @@ def _yaml_maps(live: str, want: str) -> tuple[Any, Any] | None:
     return (a, b) if isinstance(a, dict) and isinstance(b, dict) else None
 
 
+# The quantity-typed fields (resource.Quantity) among those the operator renders, by path: the
+# requests and limits of resources (a container's, an ephemeral volume's claim), an emptyDir's
+# sizeLimit, a downward API divisor, an HPA target's value and averageValue. The API server stores
+# each in canonical form (1024Mi as 1Gi, 0.5 as 500m), so they compare by value.
+QUANTITY_PATH = re.compile(r"\.resources\.(requests|limits)(\.[^.\[\]]+|\[[^\]]+\])$"
+                           r"|\.(sizeLimit|divisor|averageValue)$|\.target\.value$")
+
+
 def _same_scalar(live: Any, want: Any, path: str) -> bool:
     if live == want and type(live) is type(want):
         return True
-    if ".resources." in f".{path}." or path.endswith(".averageValue"):
+    if QUANTITY_PATH.search(path):
         from kubernetes.utils.quantity import parse_quantity
 
         try:

@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any, Callable
 
-from . import patching, schema
+from . import patching, quantity, schema
 from .index import Key, Objects
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -146,6 +146,8 @@ class Store(Lifecycle):
         obj['metadata'].pop('selfLink', None)
         if rd.custom:
             obj = schema.prune_and_default(obj, rd.schema)
+        else:
+            quantity.canonicalize(obj)  # decoded and stored as the server does: 1024Mi is 1Gi
         self._validate_meta(rd, obj, old)
         return obj
 
@@ -422,6 +424,8 @@ class Store(Lifecycle):
             raise ApiError.bad_request('metadata must be an object')
         self._check_url_identity(rd, meta, namespace, name)
         applied = _without_nulls(body)
+        if not rd.custom:
+            quantity.canonicalize(applied)  # owned and compared as stored
         scope = self._scope(rd, subresource)
         if scope == 'main':
             applied.pop('status', None)  # reset by the main resource, like a real server

@@ -360,3 +360,40 @@ def test_a_secret_less_s3_source_uses_the_pods_own_identity() -> None:
     env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "AWS_ACCESS_KEY_ID" not in env and "AWS_ENDPOINT_URL" not in env
     assert env["AWS_REGION"]["value"] == "us-east-2"
+
+
+def test_children_written_back_canonically_by_the_api_server_are_not_drift(k8s_emulator: Any) -> None:
+    """The API server stores quantities in canonical form (``sizeLimit: 1024Mi`` as ``1Gi``, ``cpu:
+    0.5`` as ``500m``): the next reconcile finds every child as rendered, repairs nothing and writes
+    nothing. Were one compared as text, every reconcile would re-apply it with a DriftRepaired Event."""
+    import kubernetes
+
+    from rollout_operator.kube import KubeClient
+    from rollout_operator.ports import ClusterPorts
+
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}], "runtime": {
+        "resources": {"requests": {"cpu": 0.5, "memory": "1024Mi"}, "limits": {"memory": "2048Mi"}},
+        "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1024Mi"}},
+                    {"name": "info", "downwardAPI": {"items": [{"path": "mem", "resourceFieldRef": {
+                        "containerName": "runtime", "resource": "limits.memory", "divisor": "1024Ki"}}]}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}, {"name": "info", "mountPath": "/info"}],
+        "autoscaling": {"maxReplicas": 4, "targetInFlightPerPod": 2}}})
+    target = children.Target("cache", "default")
+    objs = children.render_all(target, spec, children.runtime_config(spec, "cache", {"v1": 100}, "v1", ["v1"]))
+    cfg = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=str(k8s_emulator.kubeconfig_path), client_configuration=cfg)
+    kube = KubeClient(cfg, backoff_base=0.02)
+    try:
+        ports = ClusterPorts(kube)
+        assert set(ports.write_children(objs).values()) == {"created"}
+        live = kube.get("Deployment", "default", "cache-runtime")
+        assert live is not None
+        pod = live["spec"]["template"]["spec"]
+        assert pod["volumes"][1]["emptyDir"] == {"sizeLimit": "1Gi"}  # as a real API server stores it
+        assert pod["volumes"][2]["downwardAPI"]["items"][0]["resourceFieldRef"]["divisor"] == "1Mi"
+        assert pod["containers"][0]["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
+        writes = len(k8s_emulator.write_requests())
+        assert set(ports.write_children(objs).values()) == {"unchanged"}  # no "repaired: ..."
+        assert len(k8s_emulator.write_requests()) == writes
+    finally:
+        kube.close()
