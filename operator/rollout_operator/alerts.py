@@ -54,8 +54,11 @@ IN_FLIGHT = ("Progressing", "Paused")
 
 
 def in_flight(md: dict[str, Any]) -> bool:
+    """A canary or an experiment in flight; a canary held under its last valid spec while the spec is
+    invalid too (its alerts still roll it back: reconcile.guard_spec)."""
     status = md.get("status") or {}
-    return status.get("phase") in IN_FLIGHT and bool(status.get("canaryVersion") or challengers(status))
+    phase = status.get("phaseBeforeInvalid") if status.get("phase") == "InvalidSpec" else status.get("phase")
+    return phase in IN_FLIGHT and bool(status.get("canaryVersion") or challengers(status))
 
 
 def challengers(status: dict[str, Any]) -> list[str]:

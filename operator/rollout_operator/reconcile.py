@@ -32,7 +32,7 @@ from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation
 from .ports import DELETED, REJECTED, REPAIRED, Ports
-from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions
+from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions, unlisted_stable
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus, condition, pending_rollback, with_condition, with_pending_rollback
 
@@ -64,6 +64,25 @@ def firing_alert(mark: str | None, canary: str | None) -> str | None:
     if len(parts) >= 3 and canary not in parts[-1].split(","):
         return None
     return parts[0]
+
+
+def guarded(status: RolloutStatus) -> bool:
+    """Whether a canary serves users (at a step with weight, or a shadow), so that an invalid spec
+    must not leave it unguarded. Experiments are not held this way (an invalid spec stops them)."""
+    phase = status.phase_before_invalid if status.phase == Phase.INVALID_SPEC else status.phase
+    return (phase in (Phase.PROGRESSING, Phase.PAUSED) and bool(status.canary_version) and not status.experiment
+            and (status.canary_weight > 0 or bool(status.shadow_percent)))
+
+
+def guard_spec(status: RolloutStatus) -> ModelDeploymentSpec | None:
+    """The spec a canary that serves users is held under while the spec is invalid: the last valid
+    one, paused. None when there is nothing to guard (or no spec was kept)."""
+    if not guarded(status) or not status.last_valid_spec:
+        return None
+    try:
+        return parse_spec(status.last_valid_spec).model_copy(update={"paused": True})
+    except SpecError:  # kept by an operator that accepted more than this one does
+        return None
 
 
 def _guarded(spec: ModelDeploymentSpec, status: RolloutStatus) -> list[str | None]:
@@ -118,22 +137,45 @@ class Reconciler:
         now = self.clock()
         generation = meta.get("generation")
         status = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation)
+        invalid = None
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError as exc:
-            return self._invalid(body, status, str(exc), now)
+            guard = guard_spec(status)
+            if guard is None:
+                return self._invalid(body, status, str(exc), now)
+            # A canary serves users: held under the spec it follows (spec.paused: no step moves),
+            # its checks, alerts and abort still roll it back. Before, nothing did until the spec was fixed.
+            spec, invalid = guard, f"{exc}; held under the last valid spec: checks, alerts and abort still roll back"
 
         target = children.Target(name, namespace, children.owner_reference(body))
         model = spec.model_name(name)
         observation = self.ports.observe_pods(target, spec.runtime.port, model)
         annotations = meta.get("annotations") or {}
         world = self._world(spec, status, observation, annotations, self._desired_pods(spec, target))
-        analysis = self._analyse(spec, status, body, observation, now)
+        unlisted = unlisted_stable(spec, status, world) if invalid is None else None
+        if unlisted is not None:  # nothing is written that serves traffic: the stable keeps its share
+            guard = guard_spec(status)
+            if guard is None:
+                return self._invalid(body, status, unlisted, now)
+            spec, invalid = guard, f"{unlisted}; held under the last valid spec: checks, alerts and abort still roll back"
+            world = self._world(spec, status, observation, annotations, self._desired_pods(spec, target))
+        held = status  # as the analysis sees it: held under the last valid spec, in the phase it had
+        if invalid is not None and status.phase == Phase.INVALID_SPEC:
+            held = replace(status, phase=status.phase_before_invalid or Phase.PAUSED)
+        analysis = self._analyse(spec, held, body, observation, now)
         new, events = decide(spec, status, world, analysis, now)
         new = replace(new, versions=[observation.version(spec.version(v)).as_status()
                                      for v in routed_versions(spec, new)],
                       last_alert=annotations.get(ALERT_ANNOTATION) if world.alert else new.last_alert,
-                      selector=children.selector_text(target))
+                      selector=children.selector_text(target),
+                      last_valid_spec=(status.last_valid_spec if invalid is not None else dict(body["spec"]))
+                      if guarded(new) else None)
+        invalid_events = []
+        if invalid is not None:
+            if status.phase != Phase.INVALID_SPEC or status.message != invalid:
+                invalid_events.append(Event("Warning", "InvalidSpec", invalid))
+            new = mark_invalid(new, invalid, now)
 
         first = not (body.get("status") or {}).get("observedGeneration")
         if new.rolled_back_at is not None and new.rolled_back_at != status.rolled_back_at:
@@ -165,6 +207,7 @@ class Reconciler:
             # version): the decision is recorded, and its events are said now, as they would be.
             wrote = True
         events.extend(child_events)
+        events.extend(invalid_events)
         events.extend(self._engine_events(status, new))
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote, analysis)

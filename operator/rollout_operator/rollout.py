@@ -58,7 +58,7 @@ def decide(
     if status.phase == Phase.INVALID_SPEC:  # valid again: resume from the phase it had
         status = replace(status, phase=status.phase_before_invalid or _phase_kept_by(status))
     status = replace(status, phase_before_invalid=None)
-    st = replace(_adopt_stable(spec, without_pending_rollback(status)), total_steps=len(spec.strategy.steps))
+    st = replace(_adopt_stable(spec, without_pending_rollback(status), world), total_steps=len(spec.strategy.steps))
     canary = spec.canary if spec.canary and spec.canary != st.stable_version else None
     if pending is not None and pending[2] != rollback_target(spec, canary):
         pending = None  # decided for a canary, file or experiment the spec no longer names
@@ -73,6 +73,10 @@ def decide(
         st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending)
     st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, world, now, events)
+    if spec.stable and spec.stable != st.declared_stable:  # held by _adopt_stable: say so
+        why = world.reasons.get(spec.stable, "not loaded yet")
+        st = replace(st, message=f"{st.message}; stable stays {st.stable_version} until {spec.stable} is loaded "
+                                 f"on every pod ({why})")
     st = with_condition(st, "InvalidSpec", "False", "SpecValid", "the spec is valid", now)
     st = _readiness(spec, st, world, now)
     return st, events
@@ -154,14 +158,33 @@ def _record_action(st: RolloutStatus, world: World, outcome: str, why: str, even
 # -- no rollout --------------------------------------------------------------------------------
 
 
-def _adopt_stable(spec: ModelDeploymentSpec, st: RolloutStatus) -> RolloutStatus:
+def _adopt_stable(spec: ModelDeploymentSpec, st: RolloutStatus, world: World) -> RolloutStatus:
     """The stable version lives in status (a promotion changes it); ``spec.stable`` sets it when
-    first given and whenever the user changes it, never again after that."""
+    first given and whenever the user changes it, never again after that. A new ``spec.stable``
+    takes over only once it is loaded on every pod (the stable takes every share no other version
+    has: given to a version loaded nowhere, the pods served it by their fallback, the canary); until
+    then the current one stays, and ``declared_stable`` is left behind so the change is seen again."""
     names = [v.name for v in spec.versions]
-    stable = st.stable_version if st.stable_version in names else None
+    current = st.stable_version if st.stable_version in names else None
     if spec.stable and spec.stable != st.declared_stable:
-        stable = spec.stable
-    return replace(st, stable_version=stable or spec.stable or names[0], declared_stable=spec.stable)
+        if current is None or current == spec.stable or world.ready(spec.stable):
+            return replace(st, stable_version=spec.stable, declared_stable=spec.stable)
+        return st
+    return replace(st, stable_version=current or spec.stable or names[0], declared_stable=spec.stable)
+
+
+def unlisted_stable(spec: ModelDeploymentSpec, status: RolloutStatus, world: World) -> str | None:
+    """Why the spec cannot be applied over ``status``: it no longer lists the stable version while
+    that version serves requests (renamed, or removed with the default stable): its share would go
+    to a version nobody chose (the canary, unanalysed, or one loaded nowhere). None when it can."""
+    stable = status.stable_version
+    names = [v.name for v in spec.versions]
+    if not stable or stable in names or not status.weights.get(stable):
+        return None
+    if spec.stable and spec.stable != stable and spec.stable in names and world.ready(spec.stable):
+        return None  # the version that takes over is loaded on every pod
+    return (f"spec.versions: the stable version {stable!r} is not listed, and it serves {status.weights[stable]}% "
+            f"of requests; list it again until another version is loaded on every pod and named in spec.stable")
 
 
 def _no_canary(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, events: list[Event],
@@ -460,4 +483,5 @@ def changed(a: RolloutStatus, b: RolloutStatus) -> bool:
     return a.to_dict() != b.to_dict()
 
 
-__all__: Sequence[str] = ("decide", "World", "Event", "mark_invalid", "routed_versions", "hold_unready")
+__all__: Sequence[str] = ("decide", "World", "Event", "mark_invalid", "routed_versions", "hold_unready",
+                         "unlisted_stable")

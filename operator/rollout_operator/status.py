@@ -39,6 +39,7 @@ def epoch(text: Any) -> float | None:
 _KEYS: dict[str, tuple[str, str]] = {
     "phase": ("phase", "phase"),
     "phase_before_invalid": ("phaseBeforeInvalid", "phase"),
+    "last_valid_spec": ("lastValidSpec", "plain"),
     "rollback_pending_for": ("rollbackPendingFor", "plain"),
     "observed_generation": ("observedGeneration", "plain"),
     "stable_version": ("stableVersion", "plain"),
@@ -80,6 +81,9 @@ _KEYS: dict[str, tuple[str, str]] = {
 class RolloutStatus:
     phase: Phase = Phase.INITIALIZING
     phase_before_invalid: Phase | None = None  # while InvalidSpec: the phase a valid spec resumes from
+    # while a canary serves users: the spec it follows, which guards it (checks, alerts, abort) should
+    # the spec become invalid meanwhile
+    last_valid_spec: dict[str, Any] | None = None
     rollback_pending_for: str | None = None  # with condition RollbackPending: the rollout it rolls back
     observed_generation: int | None = None
     stable_version: str | None = None

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -30,7 +31,7 @@ import kopf
 from .analyzer import analysing, next_due
 from .kube import ApiError
 from .ports import WatchCache
-from .reconcile import ACTION_ANNOTATION, ALERT_ANNOTATION, Reconciler
+from .reconcile import ACTION_ANNOTATION, ALERT_ANNOTATION, Reconciler, guard_spec
 from .rollout import Event
 from .spec import ModelDeploymentSpec, SpecError, parse_spec
 from .status import Phase, RolloutStatus, condition
@@ -248,9 +249,16 @@ class WakeUps:
             if outcome.conflict:
                 log.info("status of %s/%s was decided from an older version; again shortly", namespace, name)
                 return 0.2
-            spec = parse_spec(live.get("spec"))
-            pods = max((int(v.get("pods", 0)) for v in outcome.status.versions), default=0)
-            return next_wake(spec, outcome.status, pods, self.resync, self.clock())
+            status = outcome.status
+            if status.phase == Phase.INVALID_SPEC:  # a canary held under the last valid spec keeps its timers
+                guard = guard_spec(status)
+                if guard is None:
+                    return None  # an invalid spec waits for the user's next edit
+                spec, status = guard, replace(status, phase=status.phase_before_invalid or Phase.PAUSED)
+            else:
+                spec = parse_spec(live.get("spec"))
+            pods = max((int(v.get("pods", 0)) for v in status.versions), default=0)
+            return next_wake(spec, status, pods, self.resync, self.clock())
         except SpecError:
             return None  # an invalid spec waits for the user's next edit
         except ApiError as exc:

@@ -222,6 +222,18 @@ def test_a_firing_alert_naming_the_canary_by_model_and_version_marks_only_that_m
     assert md_writes(emu) == writes + 1
 
 
+def test_an_alert_for_a_canary_held_under_its_last_valid_spec_marks_it(
+        emu: EmulatorProcess, kube: KubeClient, webhook: AlertWebhook) -> None:
+    """A canary whose spec became invalid mid-rollout still serves its users (held under the last
+    valid spec): its alert is marked, and rolls it back. Before, the webhook dropped it (phase
+    InvalidSpec was not in flight), and Alertmanager sent it again only after repeat_interval."""
+    create_md(kube, status={**CANARY_STATUS, "phase": "InvalidSpec", "phaseBeforeInvalid": "Progressing"})
+    create_md(kube, name="done", status={**CANARY_STATUS, "phase": "InvalidSpec", "phaseBeforeInvalid": "RolledBack"})
+    resp = post(webhook, payload(alert({"alertname": "A", "model": "scorer", "version": "v2"})))
+    assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
+    assert mark(kube) == f"A@{STARTS_AT}@v2" and mark(kube, "done") is None
+
+
 EXPERIMENT_STATUS = {"stableVersion": "v1", "phase": "Progressing", "experiment": {
     "state": "Running", "control": "v1", "weights": {"v1": 50, "v2": 50}, "metric": "conversion"}}
 

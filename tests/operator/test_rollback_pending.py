@@ -227,9 +227,10 @@ def set_spec(ports: Ports, spec: dict[str, Any]) -> None:
     ports.body["metadata"]["generation"] += 1
 
 
-def invalid_round_trip(ports: Ports, rec: Reconciler) -> None:
-    """The user saves a spec that names no version as canary, then puts the right one back."""
-    served = ports.served()
+def invalid_round_trip(ports: Ports, rec: Reconciler, served: dict[str, int] | None = None) -> None:
+    """The user saves a spec that names no version as canary (what is served meanwhile: ``served``, by
+    default what was), then puts the right one back."""
+    served = served or ports.served()
     set_spec(ports, {**CANARY, "canary": "v9"})
     reconcile(ports, rec)
     assert ports.status().phase == Phase.INVALID_SPEC and ports.served() == served
@@ -239,9 +240,10 @@ def invalid_round_trip(ports: Ports, rec: Reconciler) -> None:
 
 def test_an_invalid_spec_saved_meanwhile_does_not_drop_a_pending_rollback(tmp_path: Path) -> None:
     """Found in review: InvalidSpec replaced the phase, and the rollback (decided for a rollout
-    "in progress") was dropped once the spec was fixed: the canary got its share back."""
+    "in progress") was dropped once the spec was fixed: the canary got its share back. (The canary
+    is held under the last valid spec meanwhile, which finishes the rollback at once.)"""
     ports, rec, _ = cut_rollback(tmp_path)
-    invalid_round_trip(ports, rec)
+    invalid_round_trip(ports, rec, served={"v1": 100})
     done = ports.status()
     assert done.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}, done
     assert done.abort_reason is not None and done.abort_reason.startswith("AnalysisFailed: ")
@@ -458,3 +460,67 @@ def test_a_finished_promotion_stays_succeeded_after_an_invalid_spec_an_earlier_o
     done = ports.status()
     assert done.phase == Phase.SUCCEEDED and ports.served() == {"v2": 100}, done
     assert "RolloutSucceeded" not in [e.reason for e in (*outcome.events, *later.events)]
+
+# -- an invalid spec mid-rollout: the canary is held under the last valid spec, still guarded ---------
+
+def held(ports: Ports, rec: Reconciler, spec: dict[str, Any], says: str) -> None:
+    """Save ``spec`` (invalid) over the canary at step 1: InvalidSpec naming the problem, the routing
+    unchanged, no step moved."""
+    set_spec(ports, spec)
+    for _ in range(2):
+        outcome = reconcile(ports, rec)
+    st = ports.status()
+    assert st.phase == Phase.INVALID_SPEC and says in st.message and "held under the last valid spec" in st.message
+    assert ports.served() == {"v1": 80, "v2": 20} and st.last_valid_spec == CANARY, st
+    assert outcome.children == {} or all(v == "unchanged" for v in outcome.children.values()), outcome.children
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({**CANARY, "runtime": {"port": "eighty"}}, "runtime.port"),
+    # the default stable renamed: its share would go to a version nobody chose (and the reconcile raised)
+    ({**CANARY, "versions": [{"name": "v1-int8", "uri": "v1.mnn"}, VERSIONS[1]]},
+     "spec.versions: the stable version 'v1' is not listed, and it serves 80% of requests"),
+    # the default stable removed: the canary became stable at 100%, unanalysed
+    ({**CANARY, "versions": [VERSIONS[1]]}, "the stable version 'v1' is not listed"),
+])
+def test_a_canary_whose_spec_turns_invalid_is_held_and_still_rolled_back_by_a_failing_check(
+        tmp_path: Path, spec: dict[str, Any], says: str) -> None:
+    """Found in review: while the spec was invalid neither the analysis nor alerts ran, so a failing
+    canary kept its users until someone fixed the spec. Now it is held under the last valid spec."""
+    ports, rec, looks = at_step(tmp_path)
+    held(ports, rec, spec, says)
+    calls = looks.calls
+    looks.next = failing(0.3)
+    outcome = reconcile(ports, rec)
+    assert looks.calls == calls + 1 and ports.served() == {"v1": 100}, ports.status()
+    st = ports.status()
+    assert st.phase == Phase.INVALID_SPEC and st.phase_before_invalid == Phase.ROLLED_BACK
+    assert "RolloutAborted" in [e.reason for e in outcome.events] and st.last_valid_spec is None
+    set_spec(ports, CANARY)  # fixed: it stays rolled back (retry to go again)
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+
+
+@pytest.mark.parametrize("annotation", ["mnnrollout.io/alert", "mnnrollout.io/action"])
+def test_a_canary_held_under_an_invalid_spec_is_rolled_back_by_an_alert_or_an_abort(
+        tmp_path: Path, annotation: str) -> None:
+    ports, rec, _ = at_step(tmp_path)
+    held(ports, rec, {**CANARY, "canary": "v9"}, "v9")
+    value = "CanaryErrors@2030-01-01T00:00:00Z@v2" if annotation.endswith("alert") else "abort:1"
+    ports.body["metadata"]["annotations"] = {annotation: value}
+    reconcile(ports, rec)
+    assert ports.served() == {"v1": 100} and ports.status().phase_before_invalid == Phase.ROLLED_BACK
+
+
+def test_a_held_canary_resumes_where_it_was_once_the_spec_is_fixed(tmp_path: Path) -> None:
+    ports, rec, looks = at_step(tmp_path)
+    step_started = ports.status().step_started_at
+    held(ports, rec, {**CANARY, "canary": "v9"}, "v9")
+    looks.next = replace(failing(0.0), verdict=PASS)  # a pass while held moves nothing
+    reconcile(ports, rec)
+    assert ports.served() == {"v1": 80, "v2": 20} and ports.status().phase == Phase.INVALID_SPEC
+    set_spec(ports, CANARY)
+    reconcile(ports, rec)
+    st = ports.status()
+    assert st.phase == Phase.PROGRESSING and st.current_step == 0 and ports.served() == {"v1": 80, "v2": 20}
+    assert st.step_started_at is not None and step_started is not None and st.step_started_at > step_started

@@ -176,6 +176,25 @@ def test_a_promotion_is_not_undone_by_the_stable_named_in_the_spec() -> None:
     assert changed.stable_version == "v2" and changed.phase == Phase.READY
 
 
+def test_a_new_spec_stable_takes_over_only_once_it_is_loaded_on_every_pod() -> None:
+    """The stable takes every share no other version has: a new spec.stable given it while loaded
+    nowhere had the pods serve it by their fallback (the canary, mid-rollout). Found in review."""
+    static = spec(canary=None, stable="v2")
+    st = RolloutStatus(phase=Phase.READY, stable_version="v1", declared_stable="v1", weights={"v1": 100})
+    st, _ = decide(static, st, V2_LOADING, None, T0)
+    assert st.stable_version == "v1" and st.weights == {"v1": 100} and st.declared_stable == "v1"
+    assert "stable stays v1 until v2 is loaded on every pod (pod-a: loading)" in st.message
+    st, _ = decide(static, st, READY, None, T0 + 1)
+    assert st.stable_version == "v2" and st.weights == {"v2": 100} and st.declared_stable == "v2"
+    three = [{"name": "v1", "uri": "a"}, {"name": "v2", "uri": "b"}, {"name": "v3", "uri": "c"}]
+    v3_loading = World(versions_ready={"v1": True, "v2": True, "v3": False}, reasons={"v3": "pod-a: loading"},
+                       ready_pods=2, desired_pods=2)
+    mid = spec(versions=three, stable="v3")
+    st = progressing(declared_stable="v1", analysis={"verdict": "pass", "checkedAt": iso(T0 + 10)})
+    st, _ = decide(mid, st, v3_loading, None, T0 + 11)  # the step passed: advance, v1 still the baseline
+    assert st.stable_version == "v1" and st.weights == {"v2": 50, "v1": 50}, st.weights
+
+
 def test_changing_the_canary_mid_rollout_restarts_cleanly() -> None:
     s3 = spec(versions=[{"name": "v1", "uri": "a"}, {"name": "v2", "uri": "b"}, {"name": "v3", "uri": "c"}],
               canary="v3")
