@@ -253,6 +253,13 @@ if HttpToolsProtocol is not None:
         _heard = 0.0  # loop time of the last read
         _began = 0.0  # loop time of the read the request being read began in
         _due = 0.0  # when the timer fires (while it is armed)
+        # The cycle whose answer is under way while newer ones (pipelined) hold self.cycle: uvicorn's
+        # connection_lost tells only self.cycle that its client is gone, so the one answering wrote on
+        # a closed transport (uvloop raises; asyncio's would ignore it). Common with --workers: the
+        # supervisor hands over connections in batches, their requests already read, so all but the
+        # first connection's first request wait for their turn (batching.Grouper), and a client that
+        # pipelines and closes left a RuntimeError traceback per connection.
+        _front: Any = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -286,6 +293,7 @@ if HttpToolsProtocol is not None:
             if self.pipeline:
                 self._idle_since = None
                 cycle, app = self.pipeline.pop()
+                self._front = cycle
                 self._start_asgi_task(cycle, app)
                 return
             idle = self._idle_since = self.loop.time()
@@ -294,6 +302,10 @@ if HttpToolsProtocol is not None:
                 self._arm(at)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            front = self._front
+            if front is not None and not front.response_complete:  # see _front
+                front.disconnected = True
+                front.message_event.set()
             super().connection_lost(exc)
             if self.timeout_keep_alive_task is not None:  # not left to fire for a closed connection
                 self.timeout_keep_alive_task.cancel()
@@ -375,6 +387,8 @@ if HttpToolsProtocol is not None:
             self._reading = 2
             cycle = self.cycle
             parser = self.parser
+            if cycle is not None and not cycle.response_complete and not self.pipeline:
+                self._front = cycle  # answering still, and about to be replaced as self.cycle (see _front)
             if self.transport.is_closing():
                 # An answer written in this same data_received closed the connection (draining, or
                 # a request not kept alive): what is pipelined behind it is not run, as uvicorn

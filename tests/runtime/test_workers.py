@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import time
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from mnn_rollout.contract.routing import RoutingTable
-from mnn_rollout.local.net import write_atomic
+from mnn_rollout.local.net import wait_for, write_atomic
 from mnn_rollout.local.process import cpu_seconds
 from mnn_rollout.local.traffic import Traffic
 from mnn_runtime import grpc_h2 as h2
@@ -95,6 +96,24 @@ def test_connections_are_dealt_out_to_every_worker_in_turn(server: RuntimeServer
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_client_that_pipelines_and_closes_at_once_leaves_no_traceback(server: RuntimeServer) -> None:
+    """20 pipelined requests and an immediate close, 30 times: a worker is handed connections in
+    batches with their requests already read, so most first requests wait for their turn and the
+    rest queue behind them; the client gone, the one answering was not told (uvicorn tells only the
+    newest) and wrote on the closed transport: a RuntimeError traceback per connection, 26 of 30."""
+    body = b'{"inputs":[{"name":"features","datatype":"FP32","shape":[1,64],"data":[%s]}]}' % b",".join([b"0.5"] * 64)
+    request = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (INFER.encode(), len(body), body)
+    port = int(server.url.rsplit(":", 1)[1])
+    for _ in range(30):
+        with socket.create_connection((server.host, port), timeout=5) as s:
+            s.sendall(request * 20)
+    wait_for(lambda: not owners(port, "connected"), 10, "every connection closed by the workers")
+    # a connection each (dealt in turn): both workers went on past those connections
+    assert [httpx.post(server.url + INFER, json=BODY).status_code for _ in range(2)] == [200, 200]
+    log = server.log()
+    assert log.count("Exception in ASGI application") == 0 and "Traceback" not in log, log[-3000:]
 
 
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
