@@ -191,6 +191,12 @@ class Reconciler:
                                          routed_versions(spec, new), self.ports.published_table(target), shadow)
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         written.update(self.ports.delete_children(children.unrendered(target, spec), children.owner_uid(target)))
+        if written.get(f"ConfigMap/{target.routing}", "").startswith(REJECTED):
+            # The routing was not written: the pods serve what the status said before. Claiming the
+            # decision (a rollback done, a step's weight) would say what no pod serves; the stored status
+            # stays (with a pending rollback, if one was recorded: the next try finishes it), and
+            # neither the decision nor its events stand.
+            new, events = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation), []
         new = self._rejected(new, written, now)
         child_events = self._child_events(first, status, new, written)
         try:

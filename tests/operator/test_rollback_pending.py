@@ -22,6 +22,7 @@ from mnn_rollout.demo.ports import LocalPorts
 from rollout_operator import children
 from rollout_operator.kube import ApiError
 from rollout_operator.observe import Observation, PodView
+from rollout_operator.ports import REJECTED
 from rollout_operator.reconcile import Outcome, Reconciler
 from rollout_operator.sequential import BETTER, Comparison
 from rollout_operator.spec import ModelDeploymentSpec
@@ -524,3 +525,42 @@ def test_a_held_canary_resumes_where_it_was_once_the_spec_is_fixed(tmp_path: Pat
     st = ports.status()
     assert st.phase == Phase.PROGRESSING and st.current_step == 0 and ports.served() == {"v1": 80, "v2": 20}
     assert st.step_started_at is not None and step_started is not None and st.step_started_at > step_started
+
+
+class RejectingPorts(Ports):
+    """The API refuses the routing ConfigMap (an admission policy, say) while ``reject`` is set."""
+
+    reject = False
+
+    def write_children(self, objs: Iterable[dict[str, Any]]) -> dict[str, str]:
+        objs = list(objs)
+        kept = [o for o in objs if not (self.reject and o["kind"] == "ConfigMap")]
+        out = super().write_children(kept)
+        for o in objs:
+            if o not in kept:
+                out[f"ConfigMap/{o['metadata']['name']}"] = f"{REJECTED}admission webhook denied the request"
+        return out
+
+
+def test_a_rollback_whose_routing_write_is_refused_is_not_reported_done_and_is_finished_once_accepted(
+        tmp_path: Path) -> None:
+    """Found in review: with the routing ConfigMap refused (422), the status still said RolledBack
+    {v1: 100} and dropped the pending record, while the pods kept serving 80/20."""
+    ports = RejectingPorts(CANARY, tmp_path / "runtime.yaml")
+    looks = Looks()
+    rec = Reconciler(ports, analyzer=looks, clock=Ticks())
+    for _ in range(3):
+        reconcile(ports, rec)
+    assert ports.served() == {"v1": 80, "v2": 20}
+    ports.reject, looks.next = True, failing(0.3)
+    outcome = reconcile(ports, rec)
+    st = ports.status()
+    assert ports.served() == {"v1": 80, "v2": 20}  # the routing was not written
+    assert st.phase == Phase.PROGRESSING and st.weights == {"v1": 80, "v2": 20}, st  # as served
+    assert condition(st, ROLLBACK_PENDING) is not None and (condition(st, "ChildRejected") or {})["status"] == "True"
+    assert "RolloutAborted" not in [e.reason for e in outcome.events]
+    ports.reject = False  # the policy lifted: the next try finishes the rollback, with no new failing check
+    outcome = reconcile(ports, rec)
+    st = ports.status()
+    assert st.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100} and condition(st, ROLLBACK_PENDING) is None
+    assert "RolloutAborted" in [e.reason for e in outcome.events]
