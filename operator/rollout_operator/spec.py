@@ -154,6 +154,55 @@ def has_cpu_request(resources: dict[str, Any]) -> bool:
     return any("cpu" in (resources.get(kind) or {}) for kind in ("requests", "limits"))
 
 
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def qualified_name_problem(key: str) -> str | None:
+    """Why ``key`` is not a label or annotation key (``[prefix/]name``), as the API server says; None if it is."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not DNS1123_SUBDOMAIN.match(prefix)):
+        return (f"key {key!r}: its prefix {prefix!r} is not a DNS subdomain; valid: a key like example.com/name or "
+                "a name alone")
+    if len(name) > 63 or not LABEL_NAME.match(name):
+        return (f"key {key!r} is not a qualified name; valid: up to 63 letters, digits, '-', '_' or '.', starting "
+                "and ending with a letter or digit, with an optional DNS subdomain prefix and '/'")
+    return None
+
+
+def label_value_problem(key: str, value: str) -> str | None:
+    if len(value) <= 63 and LABEL_VALUE.match(value):
+        return None
+    return (f"value {value!r} of key {key!r} is not a label value; valid: empty, or up to 63 letters, digits, "
+            "'-', '_' or '.', starting and ending with a letter or digit")
+
+
+def _overcommit_allowed(resource: str) -> bool:
+    """A request may be below its limit for native resources; extended ones and hugepages must be equal."""
+    native = "/" not in resource or resource.split("/")[0].endswith("kubernetes.io")
+    return native and not resource.startswith("hugepages-")
+
+
+def request_over_limit(resources: dict[str, Any]) -> str | None:
+    """A request the API server refuses against its limit (above it, or unequal for extended resources)."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    for name in requests:
+        if name not in limits:
+            continue
+        try:
+            request, limit = parse_quantity(requests[name]), parse_quantity(limits[name])
+        except ValueError:
+            continue  # the quantity checks name it
+        if request > limit or (request != limit and not _overcommit_allowed(name)):
+            relation = "less than or equal to" if _overcommit_allowed(name) else "equal to"
+            return (f"requests.{name}: {requests[name]!r} must be {relation} limits.{name} "
+                    f"({limits[name]!r}); lower the request or raise the limit")
+    return None
+
+
 class RuntimeSpec(_Model):
     image: str | None = None  # None: the operator's --runtime-image
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None,
@@ -192,6 +241,28 @@ class RuntimeSpec(_Model):
                     cpu_quantity(section["cpu"])
                 except ValueError as exc:
                     raise ValueError(f"{kind}.cpu: {exc}") from None
+        problem = request_over_limit(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("pod_labels", "node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        """Label keys and values, as the API server checks a pod's labels and nodeSelector."""
+        for key, text in value.items():
+            problem = qualified_name_problem(key) or label_value_problem(key, text)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _annotation_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            problem = qualified_name_problem(key.lower())  # the API server ignores the case of annotation keys
+            if problem:
+                raise ValueError(problem.replace(repr(key.lower()), repr(key)))
         return value
 
     @model_validator(mode="after")

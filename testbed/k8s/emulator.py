@@ -19,7 +19,8 @@ Replaced, because they could not be fixed by small overrides:
 * Table printing (``tables.py``), selectors (``selectors.py``), patches (``patching.py``),
   server-side apply and ``metadata.managedFields`` (``store.py``, ``patching.py``),
   CRD schemas (``schema.py``: pruning, defaulting, validation), the quantities of built-in kinds
-  (``quantity.py``: parsed, stored in canonical form, ``1024Mi`` as ``1Gi``), protobuf bodies of a few core kinds
+  (``quantity.py``: parsed, stored in canonical form, ``1024Mi`` as ``1Gi``), the server's own validation of
+  metadata and of the built-in kinds the operator writes (``validation.py``), protobuf bodies of a few core kinds
   (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
 
 Server-side apply: ``PATCH`` with ``application/apply-patch+yaml`` (a YAML or JSON body) and the

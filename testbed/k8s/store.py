@@ -12,11 +12,10 @@ import copy
 import dataclasses
 import datetime
 import random
-import re
 import uuid
 from typing import Any, Callable
 
-from . import patching, quantity, schema
+from . import patching, quantity, schema, validation
 from .index import Key, Objects
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -27,9 +26,6 @@ DEFAULT_MANAGER = 'emulator'  # the field manager of writes made inside the emul
 _META_KEYS = {'name', 'generateName', 'namespace', 'uid', 'resourceVersion', 'generation', 'creationTimestamp',
               'deletionTimestamp', 'deletionGracePeriodSeconds', 'labels', 'annotations', 'ownerReferences',
               'finalizers', 'managedFields', 'selfLink'}
-_NAME_RE = re.compile(r'[a-z0-9]([-a-z0-9.]*[a-z0-9])?')
-_LABEL_VALUE_RE = re.compile(r'(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')
-_LABEL_NAME_RE = re.compile(r'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,20 +111,8 @@ class Store(Lifecycle):
     def _validate_meta(self, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None = None) -> None:
         meta = obj['metadata']
         name = meta.get('name', '')
-        causes = []
-        label_only = (rd.group, rd.plural) in (('', 'namespaces'), ('', 'services'))  # DNS labels, no dots
-        if not _NAME_RE.fullmatch(name) or len(name) > (63 if label_only else 253) or (label_only and '.' in name):
-            causes.append(('metadata.name', f'Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist'
-                                            ' of lower case alphanumeric characters, \'-\' or \'.\', and must start'
-                                            ' and end with an alphanumeric character'))
-        for key, value in (meta.get('labels') or {}).items():
-            prefix, _, lname = key.rpartition('/')
-            if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE_RE.fullmatch(value):
-                causes.append((f'metadata.labels', f'Invalid value: "{value}": a valid label must be an empty string'
-                                                   ' or consist of alphanumeric characters, \'-\', \'_\' or \'.\''))
-            if len(lname) > 63 or not _LABEL_NAME_RE.fullmatch(lname) or (prefix and not _NAME_RE.fullmatch(prefix)):
-                causes.append(('metadata.labels', f'Invalid value: "{key}": name part must consist of alphanumeric'
-                                                  ' characters, \'-\', \'_\' or \'.\''))
+        rule = {('', 'namespaces'): 'label', ('', 'services'): 'dns1035'}.get((rd.group, rd.plural), 'subdomain')
+        causes = validation.meta(obj, rule)
         for key, value in (meta.get('annotations') or {}).items():
             if not isinstance(value, str):
                 raise ApiError.bad_request(f'annotation {key!r} must be a string')
@@ -136,6 +120,8 @@ class Store(Lifecycle):
             causes += schema.validate(obj, rd.schema, old)
         else:
             causes += schema.validate_builtin(obj)
+            if not causes:  # the kind's own rules run on an object its schema accepts
+                causes += validation.validate(obj, old)
         if causes:
             raise ApiError.invalid(rd.kind_group, name, causes)
 
@@ -251,11 +237,9 @@ class Store(Lifecycle):
                     raise ApiError.bad_request('stringData must be an object of strings')
                 obj['data'] = {**(obj.get('data') or {}),
                                **{k: base64.b64encode(v.encode()).decode() for k, v in string_data.items()}}
-            bad = [k for k in obj.get('data') or {} if not re.fullmatch(r'[-._a-zA-Z0-9]+', k)]
+            bad = validation.config_keys(obj, ('data',))
             if bad:
-                raise ApiError.invalid('Secret', obj['metadata'].get('name', ''), [
-                    (f'data[{k}]', f'Invalid value: "{k}": a valid config key must consist of alphanumeric '
-                                   "characters, '-', '_' or '.'") for k in bad])
+                raise ApiError.invalid('Secret', obj['metadata'].get('name', ''), bad)
 
     def _admit_crd(self, crd: dict[str, Any]) -> None:
         spec = crd.get('spec') or {}

@@ -76,3 +76,115 @@ def test_a_value_that_is_not_a_quantity_fails_the_decoding_with_400_naming_the_f
     assert body['message'].startswith('Deployment in version "v1" cannot be handled as a Deployment: quantities '
                                       'must match the regular expression')
     assert 'spec.template.spec.containers[0].resources.requests[cpu]: "abc"' in body['message']
+
+
+# --- the API server's own validation of built-in kinds --------------------------------------------
+
+def _with(body: dict, path: str, value: object) -> dict:
+    node = body
+    *parents, last = path.split('.')
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    node[last] = value
+    return body
+
+
+def _service(name: str, port: int = 80) -> dict:
+    return {'apiVersion': 'v1', 'kind': 'Service', 'metadata': {'name': name},
+            'spec': {'selector': {'app': 'a'}, 'ports': [{'name': 'http', 'port': port, 'targetPort': 'http'}]}}
+
+
+def _hpa(low: int, high: int) -> dict:
+    return {'apiVersion': 'autoscaling/v2', 'kind': 'HorizontalPodAutoscaler', 'metadata': {'name': 'h'},
+            'spec': {'scaleTargetRef': {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'name': 'd'},
+                     'minReplicas': low, 'maxReplicas': high}}
+
+
+def _pdb(**spec: object) -> dict:
+    return {'apiVersion': 'policy/v1', 'kind': 'PodDisruptionBudget', 'metadata': {'name': 'p'},
+            'spec': {'selector': {'matchLabels': {'app': 'a'}}, **spec}}
+
+
+def _configmap(**meta: object) -> dict:
+    return {'apiVersion': 'v1', 'kind': 'ConfigMap', 'metadata': {'name': 'c', **meta}, 'data': {'ok.key': 'v'}}
+
+
+PATHS = {'Deployment': '/apis/apps/v1/namespaces/{ns}/deployments', 'Service': '/api/v1/namespaces/{ns}/services',
+         'HorizontalPodAutoscaler': '/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers',
+         'PodDisruptionBudget': '/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets',
+         'ConfigMap': '/api/v1/namespaces/{ns}/configmaps'}
+BIG = {'name': 'c', 'image': 'x:1', 'resources': {'requests': {'memory': '4Gi'}, 'limits': {'memory': '1Gi'}}}
+# (what, object, the field named, the message)
+REFUSED = [
+    ('a template label value that is not a label value',
+     _with(deployment('d'), 'spec.template.metadata.labels.team', 'ml platform'), 'spec.template.metadata.labels',
+     'Invalid value: "ml platform": a valid label must be an empty string or consist of alphanumeric characters'),
+    ('a template annotation key that is not a qualified name',
+     _with(deployment('d'), 'spec.template.metadata.annotations', {'not a key!': 'x'}),
+     'spec.template.metadata.annotations', 'Invalid value: "not a key!": name part must consist of alphanumeric'),
+    ('an annotation key that is not a qualified name', _configmap(annotations={'a/b/c': 'x'}),
+     'metadata.annotations', 'Invalid value: "a/b/c": a qualified name must consist of alphanumeric characters'),
+    ('a nodeSelector value that is not a label value',
+     _with(deployment('d'), 'spec.template.spec.nodeSelector', {'pool': 'gpu nodes'}), 'spec.template.spec.nodeSelector',
+     'Invalid value: "gpu nodes": a valid label must be an empty string'),
+    ('requests above limits', deployment('d', BIG), 'spec.template.spec.containers[0].resources.requests',
+     'Invalid value: "4Gi": must be less than or equal to memory limit of 1Gi'),
+    ('a Service name that is not a DNS-1035 label', _service('3d-detector'), 'metadata.name',
+     'Invalid value: "3d-detector": a DNS-1035 label must consist of lower case alphanumeric characters or \'-\', '
+     'start with an alphabetic character'),
+    ('a container with no image', deployment('d', {'name': 'c'}), 'spec.template.spec.containers[0].image',
+     'Required value'),
+    ('negative replicas', _with(deployment('d'), 'spec.replicas', -1), 'spec.replicas',
+     'Invalid value: -1: must be greater than or equal to 0'),
+    ('a selector that does not match the template',
+     _with(deployment('d'), 'spec.template.metadata.labels', {'app': 'other'}), 'spec.template.metadata.labels',
+     'Invalid value: map[string]string{"app":"other"}: `selector` does not match template `labels`'),
+    ('a Service port above 65535', _service('s', 70000), 'spec.ports[0].port',
+     'Invalid value: 70000: must be between 1 and 65535, inclusive'),
+    ('an HPA whose minReplicas is above its maxReplicas', _hpa(5, 2), 'spec.maxReplicas',
+     'Invalid value: 2: must be greater than or equal to `minReplicas`'),
+    ('a PDB with both minAvailable and maxUnavailable', _pdb(minAvailable=1, maxUnavailable=1), 'spec',
+     'minAvailable and maxUnavailable cannot be both set'),
+    ('a ConfigMap key that is not a config key', _with(_configmap(), 'data', {'a/b': 'x'}), 'data[a/b]',
+     'Invalid value: "a/b": a valid config key must consist of alphanumeric characters'),
+    ('an ownerReference without uid',
+     _configmap(ownerReferences=[{'apiVersion': 'v1', 'kind': 'ConfigMap', 'name': 'o', 'uid': ''}]),
+     'metadata.ownerReferences.uid', 'Invalid value: "": must not be empty'),
+]
+
+
+@pytest.mark.parametrize(('obj', 'field', 'message'), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_what_a_real_api_server_refuses_is_422_naming_the_field_and_the_value(api, ns, obj, field, message):
+    status, body = api.request('POST', PATHS[obj['kind']].format(ns=ns), obj)
+    assert status == 422 and body['reason'] == 'Invalid', body
+    causes = {c['field']: c['message'] for c in body['details']['causes']}
+    assert message in causes.get(field, ''), causes
+    assert f'{field}: {causes[field]}' in body['message']
+
+
+def test_immutable_fields_cannot_change(api, ns):
+    ok(api.request('POST', DEPLOYMENTS.format(ns=ns), deployment('d')), 201)
+    moved = {'spec': {'selector': {'matchLabels': {'app': 'd', 'z': 'y'}},
+                      'template': {'metadata': {'labels': {'app': 'd', 'z': 'y'}}}}}
+    status, body = api.request('PATCH', DEPLOYMENTS.format(ns=ns) + '/d', moved, 'application/merge-patch+json')
+    assert status == 422 and 'spec.selector: Invalid value: ' in body['message'], body
+    assert body['message'].endswith('field is immutable')
+    bindings = f'/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings'
+    binding = {'apiVersion': 'rbac.authorization.k8s.io/v1', 'kind': 'RoleBinding', 'metadata': {'name': 'rb'},
+               'roleRef': {'apiGroup': 'rbac.authorization.k8s.io', 'kind': 'Role', 'name': 'r'},
+               'subjects': [{'kind': 'ServiceAccount', 'name': 'sa', 'namespace': ns}]}
+    ok(api.request('POST', bindings, binding), 201)
+    other = {'roleRef': {'apiGroup': 'rbac.authorization.k8s.io', 'kind': 'Role', 'name': 'other'}}
+    status, body = api.request('PATCH', f'{bindings}/rb', other, 'application/merge-patch+json')
+    assert status == 422 and body['message'].endswith('cannot change roleRef'), body
+    binding['subjects'] = []  # the rest may change
+    ok(api.request('PUT', f'{bindings}/rb', binding))
+
+
+def test_valid_built_in_objects_are_accepted(api, ns):
+    container = {'name': 'c', 'image': 'x:1', 'resources': {'requests': {'cpu': '1', 'nvidia.com/gpu': '1'},
+                                                           'limits': {'cpu': '1000m', 'nvidia.com/gpu': 1}}}
+    dep = _with(deployment('fine', container), 'spec.template.metadata.annotations', {'example.com/Key_1': 'x y'})
+    ok(api.request('POST', DEPLOYMENTS.format(ns=ns), _with(dep, 'spec.template.spec.nodeSelector', {'k': ''})), 201)
+    for obj in (_service('d3-detector', 65535), _hpa(2, 2), _pdb(maxUnavailable=1), _configmap()):
+        ok(api.request('POST', PATHS[obj['kind']].format(ns=ns), obj), 201)

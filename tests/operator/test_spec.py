@@ -395,3 +395,33 @@ def test_the_model_source_defaults_match() -> None:
 def test_the_download_cache_volume_and_path_are_reserved(runtime: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=message):
         parse_spec({**BASE, "runtime": runtime})
+
+
+@pytest.mark.parametrize(("runtime", "message"), [
+    ({"podLabels": {"team": "ml platform"}}, "spec.runtime.podLabels: value 'ml platform' of key 'team' is not a label "
+                                             "value; valid: empty, or up to 63 letters"),
+    ({"podLabels": {"team/a/b": "ml"}}, "spec.runtime.podLabels: key 'team/a/b': its prefix 'team/a' is not a DNS"),
+    ({"podLabels": {"x" * 64: "ml"}}, "spec.runtime.podLabels: key 'x{64}' is not a qualified name"),
+    ({"podAnnotations": {"not a key!": "x"}}, "spec.runtime.podAnnotations: key 'not a key!' is not a qualified name"),
+    ({"nodeSelector": {"pool": "gpu nodes"}}, "spec.runtime.nodeSelector: value 'gpu nodes' of key 'pool' is not a "
+                                              "label value"),
+    ({"nodeSelector": {"bad key": "x"}}, "spec.runtime.nodeSelector: key 'bad key' is not a qualified name"),
+    ({"resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "1Gi"}}},
+     r"spec.runtime.resources.requests.memory: '4Gi' must be less than or equal to limits.memory \('1Gi'\)"),
+    ({"resources": {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 2}}},
+     r"spec.runtime.resources: requests.nvidia.com/gpu: 1 must be equal to limits.nvidia.com/gpu \(2\)"),
+])
+def test_pod_fields_the_api_server_would_refuse_are_an_invalid_spec_naming_the_field_and_value(
+        runtime: dict[str, Any], message: str) -> None:
+    """Copied into the runtime pods as given, each would make the API refuse the Deployment (422)
+    after the other children were written: refused up front instead, before anything is written."""
+    with pytest.raises(SpecError, match=message):
+        parse_spec({**BASE, "runtime": runtime})
+
+
+def test_valid_pod_labels_annotations_node_selectors_and_resources_are_accepted() -> None:
+    runtime = {"podLabels": {"example.com/team": "ml", "tier": ""}, "podAnnotations": {"Example.com/Key_1": "any x"},
+               "nodeSelector": {"kubernetes.io/arch": "amd64"},
+               "resources": {"requests": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": "1"},
+                             "limits": {"cpu": "1000m", "memory": "1024Mi", "nvidia.com/gpu": 1}}}
+    assert parse_spec({**BASE, "runtime": runtime}).runtime.pod_labels == {"example.com/team": "ml", "tier": ""}
