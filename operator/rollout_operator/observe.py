@@ -81,6 +81,25 @@ class Observation:
     def answering(self) -> list[PodView]:
         return [p for p in self.pods if p.status is not None]
 
+    def serving(self, weights: dict[str, int]) -> tuple[bool | None, str]:
+        """Whether every ready pod that answers routes by ``weights`` (their entries above 0), as the
+        runtime reports in its status: (True, ""), (False, which pod serves what instead), or (None, "")
+        when no pod reports weights (none answers, or an older runtime)."""
+        want = {k: v for k, v in weights.items() if v}
+        reported: list[tuple[str, dict[str, int]]] = []
+        for pod in self.answering:
+            got = (pod.status or {}).get("weights")
+            if pod.ready and isinstance(got, dict):
+                reported.append((pod.name, {k: v for k, v in got.items() if v}))
+        if not reported:
+            return None, ""
+        off = [(name, w) for name, w in reported if w != want]
+        if not off:
+            return True, ""
+        name, w = off[0]
+        more = f" (and {len(off) - 1} more pods)" if len(off) > 1 else ""
+        return False, f"{name} serves {_weights_text(w)}{more}"
+
     def version(self, spec: VersionSpec) -> VersionView:
         """A version is ready when every pod that answers has it loaded from exactly the ``uri``
         (and, when the spec names one, the ``sha256``) of ``spec``: a pod still serving an older
@@ -107,6 +126,10 @@ class Observation:
         reason = None if not reasons else reasons[0] + (f" (and {len(reasons) - 1} more pods)" if len(reasons) > 1
                                                           else "")
         return VersionView(spec.name, ready, len(pods), reason, _fallback(pods, spec.name), offloaded)
+
+
+def _weights_text(weights: dict[str, int]) -> str:
+    return ", ".join(f"{k}:{v}" for k, v in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))) or "nothing"
 
 
 def _fallback(pods: list[PodView], version: str) -> EngineFallback | None:

@@ -198,6 +198,7 @@ class Reconciler:
             # neither the decision nor its events stand.
             new, events = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation), []
         new = self._rejected(new, written, now)
+        new = self._served(new, observation, now)
         child_events = self._child_events(first, status, new, written)
         try:
             wrote = self._write_status(body, new)
@@ -271,6 +272,18 @@ class Reconciler:
         if condition(new, "ChildRejected") is None:
             return new
         return with_condition(new, "ChildRejected", "False", "Accepted", "every child was accepted", now)
+
+    @staticmethod
+    def _served(new: RolloutStatus, observation: Observation, now: float) -> RolloutStatus:
+        """Condition WeightsServed: whether every ready pod routes by ``new.weights`` (as seen before
+        this reconcile's writes: a change is confirmed by the next look, polled meanwhile)."""
+        serving, detail = observation.serving(new.weights)
+        if serving is None:
+            return new
+        text = ", ".join(f"{k}:{v}" for k, v in sorted(new.weights.items(), key=lambda kv: (-kv[1], kv[0])) if v)
+        if serving:
+            return with_condition(new, "WeightsServed", "True", "Served", f"every pod serves {text}", now)
+        return with_condition(new, "WeightsServed", "False", "Applying", f"{detail}; applying {text}", now)
 
     @staticmethod
     def _child_events(first: bool, old: RolloutStatus, new: RolloutStatus, written: dict[str, str]) -> list[Event]:

@@ -80,6 +80,8 @@ def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resyn
     if status.phase == Phase.PROMOTING and status.promoted_at is not None:
         due = status.promoted_at + spec.strategy.scale_down_delay_seconds
     rejected = (condition(status, "ChildRejected") or {}).get("status") == "True"
+    # new weights confirmed by the pods only at a later look: poll until they are (they apply within a second)
+    loading = loading or (pods > 0 and (condition(status, "WeightsServed") or {}).get("status") == "False")
     if not (polling or loading or rejected):
         return None if due is None else max(0.0, due - now)
     wait = resync if (polling or loading) else max(resync, REJECTED_RETRY_SECONDS)

@@ -52,3 +52,19 @@ def test_a_version_unloaded_while_idle_counts_as_ready_only_for_the_file_the_spe
     assert view.as_status()["offloadedPods"] == 1
     other = obs.version(VersionSpec(name="v2", uri="v2.mnn", sha256=SHA_B))  # another file: must load first
     assert not other.ready and other.offloaded_pods == 0
+
+
+def test_weights_are_served_when_every_ready_pod_reports_them() -> None:
+    def weighted(name: str, weights: dict[str, int] | None, ready: bool = True) -> PodView:
+        status: dict[str, Any] = {"ready": True, "versions": {}}
+        if weights is not None:
+            status["weights"] = weights
+        return PodView(name, "127.0.0.9", 8080, ready, status)
+
+    want = {"v1": 80, "v2": 20, "v3": 0}
+    both = Observation([weighted("a", {"v1": 80, "v2": 20}), weighted("b", {"v1": 80, "v2": 20, "v3": 0})])
+    assert both.serving(want) == (True, "")
+    stale = Observation([weighted("a", {"v1": 80, "v2": 20}), weighted("b", {"v1": 100, "v2": 0}),
+                         weighted("c", {"v1": 100}), weighted("d", {"v2": 100}, ready=False)])
+    assert stale.serving(want) == (False, "b serves v1:100 (and 1 more pods)")
+    assert Observation([weighted("a", None), PodView("b", None, 8080, True)]).serving(want) == (None, "")

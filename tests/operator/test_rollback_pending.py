@@ -564,3 +564,32 @@ def test_a_rollback_whose_routing_write_is_refused_is_not_reported_done_and_is_f
     st = ports.status()
     assert st.phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100} and condition(st, ROLLBACK_PENDING) is None
     assert "RolloutAborted" in [e.reason for e in outcome.events]
+
+
+class WeightedPods(Ports):
+    """One ready pod that reports the weights it routes by: those of the ConfigMap once ``applied``."""
+
+    applied = False
+
+    def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
+        versions = {v["name"]: {"ready": True, "uri": v["uri"]} for v in VERSIONS}
+        weights = self.served() if self.applied else {"v1": 100}
+        return Observation([PodView("pod-a", "127.0.0.1", port, True, {"versions": versions, "weights": weights})])
+
+
+def test_the_status_says_whether_the_pods_serve_its_weights_yet(tmp_path: Path) -> None:
+    """Found in review: status.weights were claimed as what every pod serves the moment the ConfigMap
+    was written. They are the routing's; condition WeightsServed says whether the pods serve them."""
+    ports = WeightedPods(CANARY, tmp_path / "runtime.yaml")
+    rec = Reconciler(ports, analyzer=Looks(), clock=Ticks())
+    for _ in range(3):
+        reconcile(ports, rec)
+    st = ports.status()
+    assert st.weights == {"v1": 80, "v2": 20} == ports.served()
+    served = condition(st, "WeightsServed")
+    assert served is not None and served["status"] == "False", served
+    assert served["message"] == "pod-a serves v1:100; applying v1:80, v2:20"
+    ports.applied = True
+    reconcile(ports, rec)
+    served = condition(ports.status(), "WeightsServed")
+    assert served is not None and served["status"] == "True" and served["message"] == "every pod serves v1:80, v2:20"

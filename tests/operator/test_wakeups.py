@@ -34,6 +34,11 @@ LOADED = [{"name": "v1", "ready": True, "pods": 2}, {"name": "v2", "ready": True
     # a version loading inside running pods changes no object: poll
     (RolloutStatus(phase=Phase.READY, versions=[LOADED[0], {"name": "v2", "ready": False, "pods": 2}]), 2, 2.0),
     (RolloutStatus(phase=Phase.READY, versions=LOADED, pending_action="promote:1: loading"), 2, 2.0),
+    # new weights not yet confirmed by every pod: poll until they are
+    (RolloutStatus(phase=Phase.READY, versions=LOADED, conditions=[{"type": "WeightsServed", "status": "False"}]),
+     2, 2.0),
+    (RolloutStatus(phase=Phase.READY, versions=LOADED, conditions=[{"type": "WeightsServed", "status": "True"}]),
+     2, None),
     # a child the API refused (an admission policy may be lifted): tried again every 10 s
     (RolloutStatus(phase=Phase.READY, versions=LOADED,
                    conditions=[{"type": "ChildRejected", "status": "True"}]), 2, 10.0),
