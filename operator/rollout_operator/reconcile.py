@@ -33,7 +33,7 @@ from .metrics import OperatorMetrics
 from .observe import Observation
 from .ports import DELETED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions, unlisted_stable
-from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, parse_spec
+from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, name_problem, parse_spec
 from .status import Phase, RolloutStatus, condition, pending_rollback, with_condition, with_pending_rollback
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,9 @@ class Reconciler:
         generation = meta.get("generation")
         status = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation)
         invalid = None
+        named = name_problem(name)
+        if named is not None:  # before any child is written: none could be, under this name
+            return self._invalid(body, status, named, now)
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError as exc:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from mnn_rollout.contract.config import DNS1123_LABEL, VersionSpec, check_versions, format_validation_error
+from mnn_rollout.contract.config import VersionSpec, check_versions, format_validation_error
 
 from .strategy import (BUILTIN_METRICS, DURATION, METRIC_NAME, SHADOW_METRICS, AnalysisSpec, ExperimentSpec,
                        MetricSpec, ProviderSpec, Step, StrategySpec, parse_duration)
@@ -406,5 +406,15 @@ def parse_spec(raw: Any) -> ModelDeploymentSpec:
         raise SpecError(format_validation_error(exc, prefix="spec.")) from None
 
 
-def is_dns_label(text: str) -> bool:
-    return bool(DNS1123_LABEL.match(text)) and len(text) <= 63
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def name_problem(name: str) -> str | None:
+    """Why a ModelDeployment's name cannot name its children, else None. The Service is named after
+    it (a DNS-1035 label: a real API server refuses '3d-detector' or 'a.b') and every child carries it
+    as a label value (at most 63 characters); the API itself accepts any DNS-1123 subdomain."""
+    if DNS1035_LABEL.fullmatch(name) and len(name) <= 63:
+        return None
+    return (f"metadata.name: {name!r} cannot name the runtime's Service: it must be a DNS-1035 label "
+            f"(lowercase letters, digits and '-', starting with a letter, ending with a letter or digit, "
+            f"at most 63 characters)")

@@ -593,3 +593,17 @@ def test_the_status_says_whether_the_pods_serve_its_weights_yet(tmp_path: Path) 
     reconcile(ports, rec)
     served = condition(ports.status(), "WeightsServed")
     assert served is not None and served["status"] == "True" and served["message"] == "every pod serves v1:80, v2:20"
+
+
+@pytest.mark.parametrize("name", ["3d-detector", "scorer.eu", "s" * 64])
+def test_a_name_that_cannot_name_the_service_is_an_invalid_spec_before_any_child_is_written(
+        tmp_path: Path, name: str) -> None:
+    """The Service is named after the ModelDeployment: a name the API accepts for the object (a DNS
+    subdomain) but not for a Service (a DNS-1035 label) had every other child written and the
+    Service refused (a real API server's 422). Now nothing is written and the status says why."""
+    ports, rec, _ = setup(tmp_path, CANARY)
+    ports.body["metadata"]["name"] = name
+    outcome = reconcile(ports, rec)
+    st = ports.status()
+    assert st.phase == Phase.INVALID_SPEC and st.message.startswith(f"metadata.name: {name!r} cannot name")
+    assert outcome.children == {} and not (tmp_path / "runtime.yaml").exists()
