@@ -249,10 +249,24 @@ if HttpToolsProtocol is not None:
         # uvicorn bounds neither: a client trickling a byte now and then held its connection forever.
         headers_timeout = FRAME_TIMEOUT
         body_timeout = REQUEST_IDLE_TIMEOUT
+        # A request's line and headers may come to `max_head_bytes` in all; beyond, it is answered 431
+        # and the connection closed. uvicorn and httptools bound neither: a 128 MiB header was served
+        # (the worker grew by 260 MB), and connections each holding an unfinished 32 MiB one added up.
+        # 64 KiB: whatever a proxy in front lets through fits (nginx's large_client_header_buffers is
+        # 4 x 8 KB, Envoy's max_request_headers_kb 60 KiB), and gRPC's metadata is held to 16 KiB.
+        # Counted at the cost of a few attribute reads per request: the reads a head is still
+        # incomplete after are all of it (one begun mid-read is counted from the next read: at most
+        # one read, 256 KB, more), and a complete head is measured only when the reads it came in
+        # were over the limit.
+        max_head_bytes = 64 << 10
         _reading = 0  # 1: a request's line and headers are being read, 2: its body, 0: neither
         _heard = 0.0  # loop time of the last read
         _began = 0.0  # loop time of the read the request being read began in
         _due = 0.0  # when the timer fires (while it is armed)
+        _got = 0  # bytes of the read under way
+        _head = 0  # bytes of the reads since the request being read began (the one it began in included)
+        _head_first = 0  # bytes of the read it began in
+        _refused = False  # a head over the limit came behind an answer under way: the connection ends with it
         # The cycle whose answer is under way while newer ones (pipelined) hold self.cycle: uvicorn's
         # connection_lost tells only self.cycle that its client is gone, so the one answering wrote on
         # a closed transport (uvloop raises; asyncio's would ignore it). Common with --workers: the
@@ -270,7 +284,12 @@ if HttpToolsProtocol is not None:
         def data_received(self, data: bytes) -> None:
             self.ran_in_read = False
             self._heard = self.loop.time()
+            self._got = len(data)
+            if self._reading == 1:  # a head incomplete after the last read: this one holds more of it
+                self._head += self._got
             super().data_received(data)
+            if self._reading == 1 and self._head - self._head_first > self.max_head_bytes:
+                self._head_too_large()  # still incomplete, over the limit in the reads after its first
 
         # The keep-alive timeout, without a timer per request. uvicorn cancels its timer when data
         # arrives and starts a new one after each answer: a uvloop timer made and torn down per
@@ -366,18 +385,38 @@ if HttpToolsProtocol is not None:
             if reading == 2 and getattr(cycle, "response_started", False):
                 self.transport.close()  # an ASGI app answering before its body came: it cannot be told
                 return
+            self._refuse(408, message)  # an ASGI app waiting for the body is told the client went away
+
+        def _head_too_large(self) -> None:
+            """Refuse the request being read, its line and headers over ``max_head_bytes``: 431 and
+            close; with an answer still under way, close after it instead (as for a late head)."""
+            message = f"the request's line and headers are over the limit of {self.max_head_bytes} bytes"
+            log.debug("HTTP request refused: %s", message)
+            self._reading = 0
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False
+                self._refused = True  # nothing after it is run (on_headers_complete), nor read: not
+                self.transport.pause_reading()  # through uvicorn's flow control, which would resume
+                self.flow.read_paused = False  # reading after the answer under way
+            elif not self.transport.is_closing():
+                self._refuse(431, message)
+
+        def _refuse(self, status: int, message: str) -> None:
+            """Answer the request being read ``status`` (``{"error": message}``) and close the connection."""
             body = _error(message)
             self.transport.write(b"".join((
-                STATUS_LINE[408], _default_headers(self.server_state.default_headers),
+                STATUS_LINE[status], _default_headers(self.server_state.default_headers),
                 b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                 b"\r\nconnection: close\r\n\r\n", body)))
-            self.transport.close()  # an ASGI app waiting for the body is told the client went away
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             # A request read right after an answer written in this same data_received: the
             # connection is busy again, so the keep-alive timer must not close it meanwhile.
             self._unset_keepalive_if_required()
             self._reading, self._began = 1, self._heard
+            self._head = self._head_first = self._got
             at = self._heard + self.headers_timeout
             if self.timeout_keep_alive_task is None or self._due > at:  # (none while an answer was under way)
                 self._arm(at)
@@ -389,12 +428,17 @@ if HttpToolsProtocol is not None:
             parser = self.parser
             if cycle is not None and not cycle.response_complete and not self.pipeline:
                 self._front = cycle  # answering still, and about to be replaced as self.cycle (see _front)
-            if self.transport.is_closing():
+            if self._refused or self.transport.is_closing():
                 # An answer written in this same data_received closed the connection (draining, or
-                # a request not kept alive): what is pipelined behind it is not run, as uvicorn
-                # runs none (it would be answered to nobody, yet counted and fed to the shadow).
-                done = self.cycle = _InferCycle(self, "", None, False)  # type: ignore[assignment]
-                done.response_complete = True
+                # a request not kept alive), or a head over the limit ends it: what is pipelined
+                # behind it is not run, as uvicorn runs none (it would be answered to nobody, yet
+                # counted and fed to the shadow).
+                self._skip_request()
+                return
+            if self._head > self.max_head_bytes and (  # the reads it came in are over: measure the head
+                    len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) > self.max_head_bytes):
+                self._head_too_large()
+                self._skip_request()
                 return
             # Not while the client is not reading its answers (flow.write_paused): uvicorn's cycle
             # then waits for the socket to drain, and stops reading meanwhile.
@@ -410,6 +454,11 @@ if HttpToolsProtocol is not None:
                         new.refuse(refused)
                     return
             super().on_headers_complete()
+
+        def _skip_request(self) -> None:
+            """The rest of the request being read (its body, in this read) goes to a cycle answered already."""
+            done = self.cycle = _InferCycle(self, "", None, False)  # type: ignore[assignment]
+            done.response_complete = True
 
         def on_body(self, body: bytes) -> None:
             cycle = self.cycle
