@@ -187,8 +187,9 @@ class H2Connection(asyncio.Protocol):
         self.closed = False
         self.buffered = 0  # request bytes held in the streams' chunks
         self.resets, self.reset_clock = float(RESET_BURST), 0.0  # the client's budget of resets
-        self.consumed = 0  # bytes of frames read: progress, as the stall timer sees it
-        self.stall: asyncio.TimerHandle | None = None
+        self.stall: asyncio.TimerHandle | None = None  # the check of a frame begun and not complete (_stalled)
+        self.frame_began = 0.0  # loop time the frame (or preface) left incomplete by the last read began
+        self.block_began = 0.0  # loop time the header block awaiting CONTINUATION frames began
         self.waiting: dict[int, _Stream] = {}  # streams whose answer waits for the peer's window
         self.most_window = 0  # at least every stream's send_window (that beyond the initial one)
         self.reads: asyncio.TimerHandle | None = None  # the sweep of stalled requests (_reads_due)
@@ -207,7 +208,8 @@ class H2Connection(asyncio.Protocol):
             except OSError:
                 pass
         self.server.connections.add(self)
-        self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, 0)  # the preface is due
+        self.frame_began = self.loop.time()  # the preface is due
+        self.stall = self.loop.call_at(self.frame_began + FRAME_TIMEOUT, self._stalled)
         self.idle = self.loop.call_later(CONNECTION_IDLE_TIMEOUT / 4, self._idle_due, 0, 0)
         settings = struct.pack(">HIHIHIHI", 0x3, MAX_STREAMS, 0x4, STREAM_WINDOW, 0x5, MAX_FRAME,
                                0x6, MAX_METADATA)
@@ -270,7 +272,8 @@ class H2Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self.buffer
-        if buf:  # the rest of a frame (or preface) begun in an earlier read: read on from its start
+        carried = bool(buf)
+        if carried:  # the rest of a frame (or preface) begun in an earlier read: read on from its start
             buf += data
             data = bytes(buf)
             buf.clear()
@@ -307,19 +310,27 @@ class H2Connection(asyncio.Protocol):
                 self._connection_error(COMPRESSION_ERROR, str(exc))
         if pos < end and not self.closed:
             buf += data[pos:] if pos else data
-        self.consumed += pos
+            if pos or not carried:  # it began in this read (else the one begun earlier goes on)
+                self.frame_began = self.loop.time()
         if (buf or self.continuing is not None) and self.stall is None and not self.closed:
-            self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, self.consumed)
+            self.stall = self.loop.call_at(self._frame_due(), self._stalled)
 
-    def _stalled(self, consumed: int) -> None:
+    def _frame_due(self) -> float:
+        """When the frame under way (or the header block, from its HEADERS frame on) must be complete."""
+        return (self.block_began if self.continuing is not None else self.frame_began) + FRAME_TIMEOUT
+
+    def _stalled(self) -> None:
         """A frame begun ``FRAME_TIMEOUT`` ago (or the preface, or a header block) is still not
         complete: a slow-loris peer holding its buffer and its connection. Not a timeout of idle
-        connections: between frames, a client may wait as long as it likes."""
+        connections: between frames, a client may wait as long as it likes. One timer, armed when
+        a read leaves a frame incomplete and none is: it looks again when the one under way is due
+        (reads of whole frames, nearly all, cost nothing)."""
         self.stall = None
         if self.closed or (self.preface_seen and not self.buffer and self.continuing is None):
             return
-        if self.consumed != consumed:  # frames went on meanwhile: time the one that is under way now
-            self.stall = self.loop.call_later(FRAME_TIMEOUT, self._stalled, self.consumed)
+        due = self._frame_due()
+        if due > self.loop.time():  # the one it was armed for ended; the one under way now began later
+            self.stall = self.loop.call_at(due, self._stalled)
             return
         self._connection_error(PROTOCOL_ERROR, f"frame not complete after {FRAME_TIMEOUT:g} s")
 
@@ -460,6 +471,7 @@ class H2Connection(asyncio.Protocol):
             self._header_block(stream_id, flags, block)
         else:
             self.continuing = (stream_id, flags, [block])
+            self.block_began = self.loop.time()
 
     def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
         if self.continuing is None or self.continuing[0] != stream_id:

@@ -206,6 +206,46 @@ def test_a_half_sent_frame_times_out(server: Server, monkeypatch: pytest.MonkeyP
     silent.close()
 
 
+def test_a_frame_begun_in_the_first_period_is_cut_the_timeout_after_it_began_not_twice(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check armed for the preface fired, saw frames had moved since, and looked again a whole
+    timeout later: a frame begun in a connection's first period was cut up to twice the timeout
+    after it began (~60 s of the 30 the GOAWAY names). Begun halfway: 1.5 times, before."""
+    timeout = 0.8
+    monkeypatch.setattr(h2, "FRAME_TIMEOUT", timeout, raising=False)
+    opened = time.monotonic()
+    c = Client(server[0].bound_port)
+    assert c.answer(c.call("/t.S/Echo", b"a"))[0]["grpc-status"] == "0"  # whole frames meanwhile
+    time.sleep(max(0.0, opened + timeout / 2 - time.monotonic()))
+    _send(c, h2.frame(h2.DATA, 0, 3, b"x" * 100)[:50])
+    began = time.monotonic()
+    f = _until(c, set(), seconds=5)
+    cut = time.monotonic() - began
+    assert _goaway_code(f) == h2.PROTOCOL_ERROR and f is not None and f[3][8:] == b"frame not complete after 0.8 s", f
+    assert timeout * 0.95 <= cut <= timeout + 0.25, cut  # before: 1.2 s
+
+
+def test_a_header_block_is_cut_the_timeout_after_its_headers_frame_however_its_continuations_come(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty CONTINUATION frames every 0.15 s, whole each: before, each counted as progress, and the
+    block was held as long as they came (up to 32 of them, then ENHANCE_YOUR_CALM: ~4.8 s here)."""
+    timeout = 0.6
+    monkeypatch.setattr(h2, "FRAME_TIMEOUT", timeout, raising=False)
+    c = Client(server[0].bound_port)
+    _send(c, h2.frame(h2.HEADERS, 0, 1, _request_block("/t.S/Echo")))  # no END_HEADERS
+    began = time.monotonic()
+    f = None
+    for _ in range(20):  # 3 s at most
+        try:
+            f = _until(c, set(), seconds=0.15)
+            break
+        except socket.timeout:
+            _send(c, h2.frame(h2.CONTINUATION, 0, 1, b""))
+    cut = time.monotonic() - began
+    assert _goaway_code(f) == h2.PROTOCOL_ERROR, f
+    assert timeout * 0.95 <= cut <= timeout + 0.25, cut
+
+
 def test_an_idle_connection_outlives_the_frame_timeout(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """The timeout is for frames left half-sent, not for connections that wait between calls, nor
     for a large message that keeps arriving."""
