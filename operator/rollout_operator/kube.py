@@ -134,7 +134,7 @@ def _retry_after(headers: Any, status: dict[str, Any]) -> float | None:
     value = headers.get("Retry-After") if headers is not None else None
     if value is not None:
         value = str(value).strip()
-        if value.isdigit():
+        if value.isascii() and value.isdigit():  # str.isdigit() alone takes '²', which float() refuses
             return float(value)
         try:
             when = email.utils.parsedate_to_datetime(value)

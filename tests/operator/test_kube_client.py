@@ -144,6 +144,16 @@ def test_a_429_is_retried_no_sooner_than_its_retry_after(scripted: Scripted,
     assert kube.retries == 1 and kube.retries_by_reason == {"429": 1}
 
 
+def test_a_retry_after_of_non_ascii_digits_is_no_retry_after(scripted: Scripted,
+                                                             make_client: Callable[..., KubeClient]) -> None:
+    """'²' passes str.isdigit() but not float(): the ValueError escaped the client. Now it is no
+    Retry-After at all, and the usual backoff applies."""
+    scripted.script = [(429, {"Retry-After": "\u00b2"}, status(429, "TooManyRequests", "slow down"))]
+    kube = make_client(scripted.url)
+    assert kube.get("ConfigMap", "default", "x") == scripted.default[2]
+    assert kube.retries == 1 and kube.retries_by_reason == {"429": 1}
+
+
 def test_the_emulator_s_429_with_retry_after_is_honoured(emu: EmulatorProcess,
                                                          make_client: Callable[..., KubeClient]) -> None:
     kube = make_client(emulator_cfg(emu))
