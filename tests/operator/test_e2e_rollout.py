@@ -73,6 +73,13 @@ def test_a_healthy_canary_is_promoted_through_every_step(cluster: Cluster) -> No
     assert 'mnn_rollout_promotions_total{name="scorer",namespace="default",reason="steps"} 1.0' in \
         cluster.operators[0].metrics()
 
+    def served() -> dict[str, object]:
+        return next((c for c in cluster.status().get("conditions", []) if c["type"] == "WeightsServed"), {})
+
+    # the runtime pods report the weights they route by: the status says once they all serve v2 alone
+    wait_for(lambda: served().get("status") == "True", 15, "WeightsServed True")
+    assert served()["message"] == "every pod serves v2:100"
+
 
 def test_a_breaking_canary_is_rolled_back_and_users_stay_on_v1(cluster: Cluster) -> None:
     start_stable(cluster)
