@@ -4,8 +4,10 @@ the A/B experiment one of whose challengers it names).
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
 ``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The webhook only marks the object (the
 ``mnnrollout.io/alert`` annotation, ``alertname@startsAt@canary``, or ``@v2,v3``: an experiment's
-challengers) while the alert fires, and
-removes the mark when Alertmanager reports it resolved; the replica that holds the peering lease
+challengers; one mark per alert firing, ``;``-separated) while the alert fires, and
+removes that alert's mark when Alertmanager reports it resolved (another alert still firing keeps
+its own: a retried canary is rolled back again while any fires); each write carries the object's
+resourceVersion, so two webhook calls at once never lose a mark; the replica that holds the peering lease
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
 missing or wrong bearer token 401, and neither changes anything.
 """
@@ -21,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from .kube import ApiError, KubeClient
-from .reconcile import ALERT_ANNOTATION
+from .reconcile import ALERT_ANNOTATION, ALERT_MARK_SEPARATOR
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20
@@ -99,21 +101,22 @@ def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> lis
 
 
 def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str] | None) -> list[str]:
-    """Mark every ModelDeployment a firing alert names (``alertname@startsAt@canary``), and unmark
-    those a resolved alert had marked; returns ``namespace/name`` of each object marked. A mark
-    stays while the alert fires, so a retried canary is rolled back again until it resolves."""
+    """Mark every ModelDeployment a firing alert names (``alertname@startsAt@canary``, beside the
+    marks of other alerts firing), and take a resolved alert's mark off those it marked; returns
+    ``namespace/name`` of each object marked. A mark stays while its alert fires, so a retried
+    canary is rolled back again until every alert on it resolves."""
     marked = []
     for alert in alerts:
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
         alertname = labels.get("alertname", "alert")
-        prefix = f"{alertname}@{alert.get('startsAt', '')}@"
+        # '@' and ';' separate a mark's parts and the marks: kept out of the name
+        prefix = f"{alertname.replace('@', '_').replace(ALERT_MARK_SEPARATOR, '_')}@{alert.get('startsAt', '')}@"
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
             for md in marked_by(kube, prefix, labels.get("namespace"), namespaces):
-                meta = md["metadata"]
-                kube.patch("ModelDeployment", meta["namespace"], meta["name"],
-                           {"metadata": {"annotations": {ALERT_ANNOTATION: None}}})
-                log.info("alert %s mark removed from %s/%s", alertname, meta["namespace"], meta["name"])
+                _remark(kube, md, lambda marks: [m for m in marks if not m.startswith(prefix)])  # noqa: B023
+                log.info("alert %s mark removed from %s/%s", alertname, md["metadata"]["namespace"],
+                         md["metadata"]["name"])
             continue
         for md in targets(kube, labels, namespaces):
             meta = md["metadata"]
@@ -123,23 +126,57 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
             named = labels.get("version") if labels.get("version") in challengers(status) else \
                 ",".join(challengers(status))
             value = prefix + str(status.get("canaryVersion") or named)
-            if (meta.get("annotations") or {}).get(ALERT_ANNOTATION) == value:
+            if not _remark(kube, md, lambda marks: _with_mark(marks, value)):  # noqa: B023
                 continue
-            kube.patch("ModelDeployment", meta["namespace"], meta["name"],
-                       {"metadata": {"annotations": {ALERT_ANNOTATION: value}}})
             log.warning("alert %s firing for %s/%s: rolling back its canary", alertname, meta["namespace"],
                         meta["name"])
             marked.append(f"{meta['namespace']}/{meta['name']}")
     return marked
 
 
+def _with_mark(marks: list[str], mark: str) -> list[str]:
+    """``marks`` with ``mark`` in, in place of the same alert's earlier firings (same name)."""
+    name = mark.split("@", 1)[0] + "@"
+    kept = [m for m in marks if not m.startswith(name) or m == mark]
+    return kept if mark in kept else [*kept, mark]
+
+
+def marks_of(md: dict[str, Any]) -> list[str]:
+    """The alert marks an object holds, in order."""
+    value = (md["metadata"].get("annotations") or {}).get(ALERT_ANNOTATION) or ""
+    return [m for m in value.split(ALERT_MARK_SEPARATOR) if m]
+
+
+def _remark(kube: KubeClient, md: dict[str, Any], change: Callable[[list[str]], list[str]], tries: int = 5) -> bool:
+    """Write ``change(marks)`` as the object's marks, over the version it was read at (a webhook
+    call marking or unmarking it meanwhile: read again and redo); False when nothing changed."""
+    meta = md["metadata"]
+    for _ in range(tries):
+        marks = change(marks_of(md))
+        if marks == marks_of(md):
+            return False
+        value = ALERT_MARK_SEPARATOR.join(marks) or None
+        try:
+            kube.patch("ModelDeployment", meta["namespace"], meta["name"], {"metadata": {
+                "resourceVersion": md["metadata"]["resourceVersion"], "annotations": {ALERT_ANNOTATION: value}}})
+            return True
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        fresh = kube.get("ModelDeployment", meta["namespace"], meta["name"])
+        if fresh is None:
+            return False
+        md = fresh
+    raise ApiError(409, f"{meta['namespace']}/{meta['name']}: its alert marks changed {tries} times while "
+                        f"being written", "Conflict")
+
+
 def marked_by(kube: KubeClient, prefix: str, namespace: str | None, namespaces: list[str] | None) -> list[dict[str, Any]]:
-    """ModelDeployments whose alert mark starts with ``prefix`` (one alert, any canary)."""
+    """ModelDeployments holding a mark that starts with ``prefix`` (one alert, any canary)."""
     scope = [namespace] if namespace else namespaces
     if namespace and namespaces and namespace not in namespaces:
         return []
-    return [md for md in list_modeldeployments(kube, scope)
-            if ((md["metadata"].get("annotations") or {}).get(ALERT_ANNOTATION) or "").startswith(prefix)]
+    return [md for md in list_modeldeployments(kube, scope) if any(m.startswith(prefix) for m in marks_of(md))]
 
 
 def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None) -> type:

@@ -54,16 +54,21 @@ class Outcome:
     conflict: bool = False  # the status write met a newer version of the object: reconcile again
 
 
-def firing_alert(mark: str | None, canary: str | None) -> str | None:
-    """The alert name of an ``alertname@startsAt@versions`` mark that names ``canary`` (versions:
-    one, or an experiment's challengers joined by commas; a mark without them names any canary).
-    The webhook removes the mark when the alert resolves."""
-    if not mark or not canary:
+ALERT_MARK_SEPARATOR = ";"  # between the marks of alerts firing at once (alert names are kept free of it)
+
+
+def firing_alert(marks: str | None, canary: str | None) -> str | None:
+    """The alert name of the first ``alertname@startsAt@versions`` mark (of those the annotation
+    holds, ``;``-separated: one per alert firing) that names ``canary`` (versions: one, or an
+    experiment's challengers joined by commas; a mark without them names any canary). The webhook
+    removes a mark when its alert resolves, and only that one."""
+    if not marks or not canary:
         return None
-    parts = mark.split("@")
-    if len(parts) >= 3 and canary not in parts[-1].split(","):
-        return None
-    return parts[0]
+    for mark in marks.split(ALERT_MARK_SEPARATOR):
+        parts = mark.split("@")
+        if mark and (len(parts) < 3 or canary in parts[-1].split(",")):
+            return parts[0]
+    return None
 
 
 def guarded(status: RolloutStatus) -> bool:

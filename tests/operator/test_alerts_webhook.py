@@ -253,7 +253,8 @@ def test_an_alert_naming_a_challenger_of_a_running_experiment_marks_it(
     assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"ChallengerErrors@{STARTS_AT}@v2"
     # named by the object, not a version: the mark names every challenger
     resp = post(webhook, payload(alert({"alertname": "PodsDown", "namespace": "default", "name": "scorer"})))
-    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"PodsDown@{STARTS_AT}@v2"
+    assert resp.json() == {"rolledBack": ["default/scorer"]}
+    assert mark(kube) == f"ChallengerErrors@{STARTS_AT}@v2;PodsDown@{STARTS_AT}@v2"  # both fire
 
 
 def test_the_namespaces_option_limits_model_and_version_lookups(
@@ -296,6 +297,37 @@ def test_a_mark_stays_while_its_alert_fires_and_goes_when_that_alert_resolves(
     # this alert resolving removes its mark: a retried canary is no longer rolled back by it
     assert post(webhook, payload({**firing, "status": "resolved"})).status_code == 200
     assert mark(kube) is None and md_writes(emu) == writes + 1
+
+
+def test_two_alerts_firing_keep_a_mark_each_and_one_resolving_leaves_the_other(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    """Found in review: one annotation held one mark, so a second alert replaced the first, and when
+    the second resolved the mark was gone while the first still fired: a retry went ahead."""
+    from rollout_operator.reconcile import firing_alert
+
+    errors = alert({"alertname": "CanaryErrors", "model": "scorer", "version": "v2"})
+    latency = alert({"alertname": "Canary;Slow@p99", "model": "scorer", "version": "v2"})  # separators kept out
+    for one in (errors, latency, errors):  # the repeat writes nothing
+        assert post(webhook, payload(one)).status_code == 200
+    assert mark(kube) == f"CanaryErrors@{STARTS_AT}@v2;Canary_Slow_p99@{STARTS_AT}@v2"
+    assert post(webhook, payload({**latency, "status": "resolved"})).status_code == 200
+    assert mark(kube) == f"CanaryErrors@{STARTS_AT}@v2" and firing_alert(mark(kube), "v2") == "CanaryErrors"
+    assert post(webhook, payload({**errors, "status": "resolved"})).status_code == 200
+    assert mark(kube) is None
+
+
+def test_a_mark_written_over_a_stale_read_keeps_what_was_written_meanwhile(
+        kube: KubeClient, scorer: dict[str, Any]) -> None:
+    """Two webhook calls at once (Alertmanager sends each group on its own): each write carries the
+    resourceVersion it read, so the second meets a 409, reads again and keeps the first one's mark."""
+    from rollout_operator.alerts import _remark, marks_of
+
+    stale = kube.get("ModelDeployment", "default", "scorer")
+    assert stale is not None
+    assert _remark(kube, dict(stale), lambda marks: [*marks, "First@t0@v2"])
+    assert _remark(kube, stale, lambda marks: [*marks, "Second@t1@v2"])  # read before the first write
+    fresh = kube.get("ModelDeployment", "default", "scorer")
+    assert fresh is not None and marks_of(fresh) == ["First@t0@v2", "Second@t1@v2"]
 
 
 def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(
