@@ -159,6 +159,9 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
             return replace(st, phase=Phase.PROGRESSING, message=f"experiment on {exp.metric}: {analysis.message} "
                                                                 f"({failures}/{spec.strategy.analysis.failure_limit}"
                                                                 " failed looks); no promotion meanwhile")
+        if spec.paused:  # held (spec.paused, or an invalid spec): judged and guarded, never concluded
+            return replace(st, phase=Phase.PROGRESSING, experiment=state,
+                           message=f"experiment on {exp.metric} held: no conclusion meanwhile; " + _results(state))
         metric = spec.strategy.analysis.metric(exp.metric)
         direction = metric.direction if metric is not None else "higher"
         found = analysis.comparisons or {}
@@ -168,6 +171,9 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
         if analysis.verdict == FAIL:
             return _keep_stable(st, state, "every challenger is worse than stable", now, events)
     ran = now - (st.step_started_at or now)
+    if spec.paused:
+        return replace(st, phase=Phase.PROGRESSING, experiment=state,
+                       message=f"experiment on {exp.metric} held: no conclusion meanwhile; " + _results(state))
     if ran >= exp.duration_seconds(spec.progress_deadline_seconds):
         return _keep_stable(st, state, f"no challenger was better within {int(ran)}s", now, events)
     return replace(st, phase=Phase.PROGRESSING, experiment=state,

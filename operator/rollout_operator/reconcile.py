@@ -72,11 +72,14 @@ def firing_alert(marks: str | None, canary: str | None) -> str | None:
 
 
 def guarded(status: RolloutStatus) -> bool:
-    """Whether a canary serves users (at a step with weight, or a shadow), so that an invalid spec
-    must not leave it unguarded. Experiments are not held this way (an invalid spec stops them)."""
+    """Whether a canary serves users (at a step with weight, or a shadow), or an experiment runs,
+    so that an invalid spec must not leave it unguarded."""
     phase = status.phase_before_invalid if status.phase == Phase.INVALID_SPEC else status.phase
-    return (phase in (Phase.PROGRESSING, Phase.PAUSED) and bool(status.canary_version) and not status.experiment
-            and (status.canary_weight > 0 or bool(status.shadow_percent)))
+    if phase not in (Phase.PROGRESSING, Phase.PAUSED):
+        return False
+    if status.experiment and not status.experiment.get("removed"):
+        return experiment.running(status)
+    return bool(status.canary_version) and (status.canary_weight > 0 or bool(status.shadow_percent))
 
 
 def guard_spec(status: RolloutStatus) -> ModelDeploymentSpec | None:
@@ -142,32 +145,26 @@ class Reconciler:
         now = self.clock()
         generation = meta.get("generation")
         status = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation)
-        invalid = None
-        named = name_problem(name)
-        if named is not None:  # before any child is written: none could be, under this name
-            return self._invalid(body, status, named, now)
+        # An invalid spec (or name) changes nothing that serves traffic; but a canary that serves users
+        # is held under the spec it follows (spec.paused: no step moves), and its checks, alerts and
+        # abort still roll it back. Before, nothing did until the spec was fixed.
+        invalid = name_problem(name)  # an object created before names were checked may have a canary
         try:
-            spec = parse_spec(body.get("spec"))
+            spec = parse_spec(body.get("spec")) if invalid is None else None
         except SpecError as exc:
-            guard = guard_spec(status)
-            if guard is None:
-                return self._invalid(body, status, str(exc), now)
-            # A canary serves users: held under the spec it follows (spec.paused: no step moves),
-            # its checks, alerts and abort still roll it back. Before, nothing did until the spec was fixed.
-            spec, invalid = guard, f"{exc}; held under the last valid spec: checks, alerts and abort still roll back"
-
+            spec, invalid = None, str(exc)
         target = children.Target(name, namespace, children.owner_reference(body))
-        model = spec.model_name(name)
-        observation = self.ports.observe_pods(target, spec.runtime.port, model)
         annotations = meta.get("annotations") or {}
-        world = self._world(spec, status, observation, annotations, self._desired_pods(spec, target))
-        unlisted = unlisted_stable(spec, status, world) if invalid is None else None
-        if unlisted is not None:  # nothing is written that serves traffic: the stable keeps its share
+        if spec is not None:
+            model, observation, world = self._look(spec, status, target, annotations)
+            invalid = unlisted_stable(spec, status, world)
+        if invalid is not None:
             guard = guard_spec(status)
-            if guard is None:
-                return self._invalid(body, status, unlisted, now)
-            spec, invalid = guard, f"{unlisted}; held under the last valid spec: checks, alerts and abort still roll back"
-            world = self._world(spec, status, observation, annotations, self._desired_pods(spec, target))
+            if guard is None:  # nothing to guard: before any child is written
+                return self._invalid(body, status, invalid, now)
+            spec, invalid = guard, f"{invalid}; held under the last valid spec: checks, alerts and abort still roll back"
+            model, observation, world = self._look(spec, status, target, annotations)  # its model, port, versions
+        assert spec is not None
         held = status  # as the analysis sees it: held under the last valid spec, in the phase it had
         if invalid is not None and status.phase == Phase.INVALID_SPEC:
             held = replace(status, phase=status.phase_before_invalid or Phase.PAUSED)
@@ -204,7 +201,9 @@ class Reconciler:
             # decision (a rollback done, a step's weight) would say what no pod serves; the stored status
             # stays (with a pending rollback, if one was recorded: the next try finishes it), and
             # neither the decision nor its events stand.
-            new, events = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation), []
+            # The checks' record stays (it claims nothing about routing): failures still add up to a rollback.
+            new, events = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation,
+                                  analysis=new.analysis, failures=new.failures, sequential=new.sequential), []
         new = self._rejected(new, written, now)
         new = self._served(new, observation, now)
         child_events = self._child_events(first, status, new, written)
@@ -226,6 +225,13 @@ class Reconciler:
         events.extend(self._engine_events(status, new))
         self._count(namespace, name, status, new, analysis, events)
         return Outcome(new, events, written, wrote, analysis)
+
+    def _look(self, spec: ModelDeploymentSpec, status: RolloutStatus, target: children.Target,
+              annotations: dict[str, str]) -> tuple[str, Observation, World]:
+        """The model name ``spec`` serves, its pods as observed, and the world the decision sees."""
+        model = spec.model_name(target.name)
+        observation = self.ports.observe_pods(target, spec.runtime.port, model)
+        return model, observation, self._world(spec, status, observation, annotations, self._desired_pods(spec, target))
 
     def _desired_pods(self, spec: ModelDeploymentSpec, target: children.Target) -> int:
         """The runtime pods wanted: ``runtime.replicas``, or with autoscaling what the HPA set on

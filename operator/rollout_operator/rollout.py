@@ -168,9 +168,22 @@ def _adopt_stable(spec: ModelDeploymentSpec, st: RolloutStatus, world: World) ->
     current = st.stable_version if st.stable_version in names else None
     if spec.stable and spec.stable != st.declared_stable:
         if current is None or current == spec.stable or world.ready(spec.stable):
-            return replace(st, stable_version=spec.stable, declared_stable=spec.stable)
+            return _moved_stable(replace(st, declared_stable=spec.stable), spec.stable)
         return st
     return replace(st, stable_version=current or spec.stable or names[0], declared_stable=spec.stable)
+
+
+def _moved_stable(st: RolloutStatus, stable: str) -> RolloutStatus:
+    """``stable`` made the stable version, taking the share the old one served (mid-rollout the
+    weights are kept between steps: the old stable's share stayed with it, or, removed from the
+    spec, with nobody, and the routing's weights no longer summed to 100)."""
+    old = st.stable_version
+    if old is None or old == stable or old not in st.weights:
+        return replace(st, stable_version=stable)
+    weights = {k: w for k, w in st.weights.items() if k != old}
+    weights[stable] = weights.get(stable, 0) + st.weights[old]
+    canary = weights.get(st.canary_version, 0) if st.canary_version else st.canary_weight
+    return replace(st, stable_version=stable, weights=weights, canary_weight=canary)
 
 
 def unlisted_stable(spec: ModelDeploymentSpec, status: RolloutStatus, world: World) -> str | None:
@@ -461,6 +474,8 @@ def _readiness(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: 
 def routed_versions(spec: ModelDeploymentSpec, st: RolloutStatus) -> list[str]:
     """Versions in the runtime config: every listed version except retired ones."""
     keep = {st.stable_version, st.canary_version}
+    if spec.stable and spec.stable != st.declared_stable:  # a new spec.stable loads before it takes over
+        keep.add(spec.stable)
     if experiment.running(st):
         keep |= set((st.experiment or {}).get("weights") or {})
     return [v.name for v in spec.versions if v.name not in st.retired or v.name in keep]

@@ -607,3 +607,121 @@ def test_a_name_that_cannot_name_the_service_is_an_invalid_spec_before_any_child
     st = ports.status()
     assert st.phase == Phase.INVALID_SPEC and st.message.startswith(f"metadata.name: {name!r} cannot name")
     assert outcome.children == {} and not (tmp_path / "runtime.yaml").exists()
+
+
+# -- found by a second review of the above -----------------------------------------------------------
+
+def test_removing_the_stable_while_naming_a_loaded_one_moves_its_share_there(tmp_path: Path) -> None:
+    """v3 loaded at weight 0, the canary v2 at 20%: versions [v2, v3] with stable v3 kept weights
+    {v1: 80, v2: 20} while the routing dropped v1, and every reconcile raised (weights summing to 20)."""
+    ports, rec, _ = setup(tmp_path, {**CANARY, "versions": VERSIONS})
+    for _ in range(3):
+        reconcile(ports, rec)
+    assert ports.served() == {"v1": 80, "v2": 20}
+    set_spec(ports, {**CANARY, "versions": VERSIONS[1:], "stable": "v3"})
+    reconcile(ports, rec)
+    st = ports.status()
+    assert ports.served() == {"v3": 80, "v2": 20} and st.stable_version == "v3" and st.weights == {"v3": 80, "v2": 20}
+    assert st.phase == Phase.PROGRESSING and st.canary_weight == 20
+
+
+class ModelPods(Ports):
+    """Records the port and model name each look asked the pods for."""
+
+    def __init__(self, spec: dict[str, Any], config: Path) -> None:
+        super().__init__(spec, config)
+        self.looked: list[tuple[int, str]] = []
+
+    def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
+        self.looked.append((port, model))
+        return super().observe_pods(target, port, model)
+
+
+def test_a_canary_held_for_an_unlisted_stable_keeps_the_model_name_and_port_it_served(tmp_path: Path) -> None:
+    """Held under the last valid spec, the routing was written with the new spec's model name (and
+    the pods looked for on its port): every request to the old name got 404."""
+    ports = ModelPods(CANARY, tmp_path / "runtime.yaml")
+    rec = Reconciler(ports, analyzer=Looks(), clock=Ticks())
+    for _ in range(3):
+        reconcile(ports, rec)
+    set_spec(ports, {**CANARY, "model": "other", "runtime": {"port": 9000},
+                     "versions": [{"name": "v1-int8", "uri": "v1.mnn"}, VERSIONS[1]]})
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.INVALID_SPEC and "'v1' is not listed" in ports.status().message
+    assert parse_config_text(ports.config_text).model == "scorer" and ports.served() == {"v1": 80, "v2": 20}
+    assert ports.looked[-1] == (8080, "scorer")
+
+
+def test_a_canary_of_an_object_whose_name_is_now_refused_is_held_and_still_guarded(tmp_path: Path) -> None:
+    """An object created before names were checked (its Service refused, the rest serving): a canary
+    at 20% was no longer checked nor rolled back."""
+    ports, rec, looks = at_step(tmp_path)
+    ports.body["metadata"]["name"] = "3d-scorer"
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.INVALID_SPEC and ports.served() == {"v1": 80, "v2": 20}
+    looks.next = failing(0.3)
+    reconcile(ports, rec)
+    assert ports.served() == {"v1": 100} and ports.status().phase_before_invalid == Phase.ROLLED_BACK
+
+
+def test_an_experiment_under_an_invalid_spec_is_held_and_still_aborted_by_an_alert(tmp_path: Path) -> None:
+    ports, rec, _ = setup(tmp_path, EXPERIMENT)
+    for _ in range(2):
+        reconcile(ports, rec)
+    assert ports.served() == {"v1": 50, "v2": 25, "v3": 25}
+    set_spec(ports, {**EXPERIMENT, "runtime": {"port": "eighty"}})
+    reconcile(ports, rec)
+    st = ports.status()
+    assert st.phase == Phase.INVALID_SPEC and "held" in st.message and ports.served() == {"v1": 50, "v2": 25, "v3": 25}
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/alert": "ChallengerErrors@2030-01-01T00:00:00Z@v2,v3"}
+    reconcile(ports, rec)
+    assert ports.served() == {"v1": 100}  # before: the challengers kept half the users, the alert ignored
+
+
+class ConfigPods(Ports):
+    """One ready pod that has loaded exactly the versions the routing ConfigMap lists."""
+
+    def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
+        listed = [v.name for v in parse_config_text(self.config_text).versions] if self.config_text else []
+        versions = {v["name"]: {"ready": True, "uri": v["uri"]} for v in VERSIONS if v["name"] in listed}
+        return Observation([PodView("pod-a", "127.0.0.1", port, True, {"versions": versions})])
+
+
+def test_spec_stable_set_back_to_a_retired_version_is_loaded_then_takes_over(tmp_path: Path) -> None:
+    """A new spec.stable takes over once loaded, but a retired version was not routed, so never
+    loaded: going back to the version a promotion retired never took effect."""
+    ports = ConfigPods(CANARY, tmp_path / "runtime.yaml")
+    ticks = Ticks()
+    rec = Reconciler(ports, analyzer=Looks(), clock=ticks)
+    for _ in range(3):
+        reconcile(ports, rec)
+    ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
+    reconcile(ports, rec)
+    ticks.now += 10_000
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.SUCCEEDED and "v1" in ports.status().retired
+    set_spec(ports, {"versions": VERSIONS[:2], "stable": "v1"})
+    reconcile(ports, rec)  # v1 routed at weight 0 (loaded), v2 still serving
+    assert ports.served() == {"v2": 100} and "v1" in [v.name for v in parse_config_text(ports.config_text).versions]
+    reconcile(ports, rec)  # loaded now: it takes over
+    assert ports.status().stable_version == "v1" and ports.served() == {"v1": 100}
+
+
+def test_failed_checks_still_add_up_while_the_routing_write_is_refused(tmp_path: Path) -> None:
+    """With failureLimit 2, the status restored after each refused routing write dropped the checks'
+    record too: failures never added up to a rollback."""
+    spec = {**CANARY, "strategy": {**CANARY["strategy"], "analysis": {**ANALYSIS, "failureLimit": 2}}}
+    ports = RejectingPorts(spec, tmp_path / "runtime.yaml")
+    looks = Looks()
+    rec = Reconciler(ports, analyzer=looks, clock=Ticks())
+    for _ in range(3):
+        reconcile(ports, rec)
+    ports.reject = True
+    for failures in (1, 2):
+        looks.next = failing(0.3)
+        reconcile(ports, rec)
+        assert ports.status().failures == failures or condition(ports.status(), ROLLBACK_PENDING) is not None
+    assert condition(ports.status(), ROLLBACK_PENDING) is not None and ports.served() == {"v1": 80, "v2": 20}
+    ports.reject = False
+    reconcile(ports, rec)
+    assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
