@@ -3,8 +3,9 @@ the A/B experiment one of whose challengers it names).
 
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
 ``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The webhook only marks the object (the
-``mnnrollout.io/alert`` annotation, ``alertname@startsAt@canary``, or ``@v2,v3``: an experiment's
-challengers; one mark per alert firing, ``;``-separated) while the alert fires, and
+``mnnrollout.io/alert`` annotation, ``alertname@startsAt@instance@canary``, or ``@v2,v3``: an
+experiment's challengers; instance: the hash of the alert's labels, as one rule fires an alert per
+label set; one mark per alert firing, ``;``-separated) while the alert fires, and
 removes that alert's mark when Alertmanager reports it resolved (another alert still firing keeps
 its own: a retried canary is rolled back again while any fires); each write carries the object's
 resourceVersion, so two webhook calls at once never lose a mark; the replica that holds the peering lease
@@ -14,6 +15,7 @@ missing or wrong bearer token 401, and neither changes anything.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -109,8 +111,10 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
     for alert in alerts:
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
         alertname = labels.get("alertname", "alert")
-        # '@' and ';' separate a mark's parts and the marks: kept out of the name
-        prefix = f"{alertname.replace('@', '_').replace(ALERT_MARK_SEPARATOR, '_')}@{alert.get('startsAt', '')}@"
+        # '@' and ';' separate a mark's parts and the marks: kept out of the name. One rule fires an
+        # alert per label set (per pod, per route): each is its own mark, named by its labels' hash
+        prefix = (f"{alertname.replace('@', '_').replace(ALERT_MARK_SEPARATOR, '_')}@{alert.get('startsAt', '')}@"
+                  f"{instance(labels)}@")
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
             for md in marked_by(kube, prefix, labels.get("namespace"), namespaces):
@@ -134,10 +138,16 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
     return marked
 
 
+def instance(labels: dict[str, str]) -> str:
+    """Which alert this is among those one rule fires (its label set), in 8 hex digits."""
+    return hashlib.sha256(json.dumps(sorted(labels.items())).encode()).hexdigest()[:8]
+
+
 def _with_mark(marks: list[str], mark: str) -> list[str]:
-    """``marks`` with ``mark`` in, in place of the same alert's earlier firings (same name)."""
-    name = mark.split("@", 1)[0] + "@"
-    kept = [m for m in marks if not m.startswith(name) or m == mark]
+    """``marks`` with ``mark`` (``name@startsAt@instance@versions``) in, in place of the same alert's
+    earlier firings (same name and instance, another start)."""
+    name, _, same, _ = mark.split("@", 3)
+    kept = [m for m in marks if m == mark or m.split("@")[::2][:2] != [name, same]]
     return kept if mark in kept else [*kept, mark]
 
 

@@ -14,7 +14,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rollout_operator.alerts import AlertWebhook
+from rollout_operator.alerts import AlertWebhook, instance
 from rollout_operator.kube import KubeClient
 from rollout_operator.reconcile import ALERT_ANNOTATION
 from testbed.k8s.harness import EmulatorProcess
@@ -106,6 +106,11 @@ def mark(kube: KubeClient, name: str = "scorer", namespace: str = "default") -> 
     return (md["metadata"].get("annotations") or {}).get(ALERT_ANNOTATION)
 
 
+def marked(labels: dict[str, str], versions: str = "v2", starts_at: str = STARTS_AT) -> str:
+    """The mark an alert with ``labels`` leaves: its name, start, instance (its labels' hash), versions."""
+    return f"{labels['alertname'].replace(';', '_').replace('@', '_')}@{starts_at}@{instance(labels)}@{versions}"
+
+
 def md_writes(emu: EmulatorProcess) -> int:
     return len(emu.write_requests("modeldeployments"))
 
@@ -172,12 +177,13 @@ def test_other_paths_are_404_and_healthz_answers(webhook: AlertWebhook) -> None:
 
 def test_a_firing_alert_naming_namespace_and_modeldeployment_marks_it_once(
         emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
-    body = payload(alert({"alertname": "MNNCanaryHighErrorRate", "namespace": "default",
-                          "modeldeployment": "scorer", "severity": "critical"}))
+    labels = {"alertname": "MNNCanaryHighErrorRate", "namespace": "default", "modeldeployment": "scorer",
+              "severity": "critical"}
+    body = payload(alert(labels))
     writes = md_writes(emu)
     resp = post(webhook, body)
     assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"MNNCanaryHighErrorRate@{STARTS_AT}@v2"  # the alert, its start, the canary it hit
+    assert mark(kube) == marked(labels)  # the alert, its start, which one, the canary it hit
     assert md_writes(emu) == writes + 1
     # Alertmanager repeats notifications: the same alert again writes nothing
     for _ in range(3):
@@ -186,10 +192,9 @@ def test_a_firing_alert_naming_namespace_and_modeldeployment_marks_it_once(
     assert md_writes(emu) == writes + 1
     # a new firing of the same alert (another startsAt) is a new mark
     later = "2025-01-02T04:00:00Z"
-    resp = post(webhook, payload(alert({"alertname": "MNNCanaryHighErrorRate", "namespace": "default",
-                                        "name": "scorer"}, starts_at=later)))
+    resp = post(webhook, payload(alert(labels, starts_at=later)))
     assert resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"MNNCanaryHighErrorRate@{later}@v2" and md_writes(emu) == writes + 2
+    assert mark(kube) == marked(labels, starts_at=later) and md_writes(emu) == writes + 2
 
 
 def test_an_alert_naming_a_modeldeployment_that_does_not_exist_marks_nothing(
@@ -215,9 +220,10 @@ def test_a_firing_alert_naming_the_canary_by_model_and_version_marks_only_that_m
         resp = post(webhook, payload(alert({"alertname": "A", **labels})))
         assert resp.status_code == 200 and resp.json() == {"rolledBack": []}, labels
     assert md_writes(emu) == writes
-    resp = post(webhook, payload(alert({"alertname": "MNNCanaryHighLatency", "model": "scorer", "version": "v2"})))
+    latency = {"alertname": "MNNCanaryHighLatency", "model": "scorer", "version": "v2"}
+    resp = post(webhook, payload(alert(latency)))
     assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"MNNCanaryHighLatency@{STARTS_AT}@v2"
+    assert mark(kube) == marked(latency)
     assert mark(kube, "ranker") is None and mark(kube, "scorer-idle") is None
     assert md_writes(emu) == writes + 1
 
@@ -229,9 +235,10 @@ def test_an_alert_for_a_canary_held_under_its_last_valid_spec_marks_it(
     InvalidSpec was not in flight), and Alertmanager sent it again only after repeat_interval."""
     create_md(kube, status={**CANARY_STATUS, "phase": "InvalidSpec", "phaseBeforeInvalid": "Progressing"})
     create_md(kube, name="done", status={**CANARY_STATUS, "phase": "InvalidSpec", "phaseBeforeInvalid": "RolledBack"})
-    resp = post(webhook, payload(alert({"alertname": "A", "model": "scorer", "version": "v2"})))
+    labels = {"alertname": "A", "model": "scorer", "version": "v2"}
+    resp = post(webhook, payload(alert(labels)))
     assert resp.status_code == 200 and resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"A@{STARTS_AT}@v2" and mark(kube, "done") is None
+    assert mark(kube) == marked(labels) and mark(kube, "done") is None
 
 
 EXPERIMENT_STATUS = {"stableVersion": "v1", "phase": "Progressing", "experiment": {
@@ -249,12 +256,14 @@ def test_an_alert_naming_a_challenger_of_a_running_experiment_marks_it(
         resp = post(webhook, payload(alert({"alertname": "A", **labels})))
         assert resp.status_code == 200 and resp.json() == {"rolledBack": []}, labels
     assert md_writes(emu) == writes
-    resp = post(webhook, payload(alert({"alertname": "ChallengerErrors", "model": "scorer", "version": "v2"})))
-    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == f"ChallengerErrors@{STARTS_AT}@v2"
+    errors = {"alertname": "ChallengerErrors", "model": "scorer", "version": "v2"}
+    resp = post(webhook, payload(alert(errors)))
+    assert resp.json() == {"rolledBack": ["default/scorer"]} and mark(kube) == marked(errors)
     # named by the object, not a version: the mark names every challenger
-    resp = post(webhook, payload(alert({"alertname": "PodsDown", "namespace": "default", "name": "scorer"})))
+    down = {"alertname": "PodsDown", "namespace": "default", "name": "scorer"}
+    resp = post(webhook, payload(alert(down)))
     assert resp.json() == {"rolledBack": ["default/scorer"]}
-    assert mark(kube) == f"ChallengerErrors@{STARTS_AT}@v2;PodsDown@{STARTS_AT}@v2"  # both fire
+    assert mark(kube) == f"{marked(errors)};{marked(down)}"  # both fire
 
 
 def test_the_namespaces_option_limits_model_and_version_lookups(
@@ -293,7 +302,7 @@ def test_a_mark_stays_while_its_alert_fires_and_goes_when_that_alert_resolves(
     for other in (alert({"alertname": "Other", "model": "scorer", "version": "v2"}, status="resolved"),
                   {**firing, "status": "resolved", "startsAt": "2025-01-09T00:00:00Z"}):
         assert post(webhook, payload(other)).status_code == 200
-    assert mark(kube) == f"MNNCanaryHighErrorRate@{STARTS_AT}@v2" and md_writes(emu) == writes
+    assert mark(kube) == marked(firing["labels"]) and md_writes(emu) == writes
     # this alert resolving removes its mark: a retried canary is no longer rolled back by it
     assert post(webhook, payload({**firing, "status": "resolved"})).status_code == 200
     assert mark(kube) is None and md_writes(emu) == writes + 1
@@ -309,11 +318,31 @@ def test_two_alerts_firing_keep_a_mark_each_and_one_resolving_leaves_the_other(
     latency = alert({"alertname": "Canary;Slow@p99", "model": "scorer", "version": "v2"})  # separators kept out
     for one in (errors, latency, errors):  # the repeat writes nothing
         assert post(webhook, payload(one)).status_code == 200
-    assert mark(kube) == f"CanaryErrors@{STARTS_AT}@v2;Canary_Slow_p99@{STARTS_AT}@v2"
+    assert mark(kube) == f"{marked(errors['labels'])};{marked(latency['labels'])}"
+    assert marked(latency["labels"]).startswith("Canary_Slow_p99@")
     assert post(webhook, payload({**latency, "status": "resolved"})).status_code == 200
-    assert mark(kube) == f"CanaryErrors@{STARTS_AT}@v2" and firing_alert(mark(kube), "v2") == "CanaryErrors"
+    assert mark(kube) == marked(errors["labels"]) and firing_alert(mark(kube), "v2") == "CanaryErrors"
     assert post(webhook, payload({**errors, "status": "resolved"})).status_code == 200
     assert mark(kube) is None
+
+
+@pytest.mark.parametrize("later", [STARTS_AT, "2025-01-02T03:05:00Z"])
+def test_one_rule_firing_for_two_pods_keeps_a_mark_each(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook, later: str) -> None:
+    """Found in review: marks were told apart by alert name (and start), so one rule firing per pod
+    (Alertmanager grouping by [alertname, pod]) kept one mark: the second replaced the first, or, started
+    in the same evaluation, shared it; either pod resolving took it off while the other still fired."""
+    from rollout_operator.reconcile import firing_alert
+
+    a = alert({"alertname": "CanaryErrors", "model": "scorer", "version": "v2", "pod": "a"})
+    b = alert({"alertname": "CanaryErrors", "model": "scorer", "version": "v2", "pod": "b"}, starts_at=later)
+    for one in (a, b):
+        assert post(webhook, payload(one)).status_code == 200
+    assert mark(kube) == f"{marked(a['labels'])};{marked(b['labels'], starts_at=later)}"
+    assert post(webhook, payload({**b, "status": "resolved"})).status_code == 200
+    assert mark(kube) == marked(a["labels"]) and firing_alert(mark(kube), "v2") == "CanaryErrors"
+    assert post(webhook, payload({**a, "startsAt": "2025-01-03T00:00:00Z"})).status_code == 200  # pod a again
+    assert mark(kube) == marked(a["labels"], starts_at="2025-01-03T00:00:00Z")  # in place of its earlier firing
 
 
 def test_a_mark_written_over_a_stale_read_keeps_what_was_written_meanwhile(
@@ -324,10 +353,10 @@ def test_a_mark_written_over_a_stale_read_keeps_what_was_written_meanwhile(
 
     stale = kube.get("ModelDeployment", "default", "scorer")
     assert stale is not None
-    assert _remark(kube, dict(stale), lambda marks: [*marks, "First@t0@v2"])
-    assert _remark(kube, stale, lambda marks: [*marks, "Second@t1@v2"])  # read before the first write
+    assert _remark(kube, dict(stale), lambda marks: [*marks, "First@t0@i0@v2"])
+    assert _remark(kube, stale, lambda marks: [*marks, "Second@t1@i1@v2"])  # read before the first write
     fresh = kube.get("ModelDeployment", "default", "scorer")
-    assert fresh is not None and marks_of(fresh) == ["First@t0@v2", "Second@t1@v2"]
+    assert fresh is not None and marks_of(fresh) == ["First@t0@i0@v2", "Second@t1@i1@v2"]
 
 
 def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(
