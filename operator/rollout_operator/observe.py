@@ -86,19 +86,26 @@ class Observation:
         runtime reports in its status: (True, ""), (False, which pod serves what instead), or (None, "")
         when no pod reports weights (none answers, or an older runtime)."""
         want = {k: v for k, v in weights.items() if v}
-        reported: list[tuple[str, dict[str, int]]] = []
+        reported, off = 0, []
         for pod in self.answering:
             got = (pod.status or {}).get("weights")
-            if pod.ready and isinstance(got, dict):
-                reported.append((pod.name, {k: v for k, v in got.items() if v}))
+            if not pod.ready or not isinstance(got, dict):
+                continue
+            reported += 1
+            routes = {k: v for k, v in got.items() if v}
+            versions = (pod.status or {}).get("versions") or {}
+            # a version with weight that the pod has not loaded: its share goes to the pod's fallback
+            missing = [v for v in routes if not (versions.get(v) or {}).get("ready")
+                       and (versions.get(v) or {}).get("state") != "offloaded"]
+            if routes != want:
+                off.append(f"{pod.name} serves {_weights_text(routes)}")
+            elif missing:
+                off.append(f"{pod.name} has not loaded {', '.join(sorted(missing))} (its share goes to the fallback)")
         if not reported:
             return None, ""
-        off = [(name, w) for name, w in reported if w != want]
         if not off:
             return True, ""
-        name, w = off[0]
-        more = f" (and {len(off) - 1} more pods)" if len(off) > 1 else ""
-        return False, f"{name} serves {_weights_text(w)}{more}"
+        return False, off[0] + (f" (and {len(off) - 1} more pods)" if len(off) > 1 else "")
 
     def version(self, spec: VersionSpec) -> VersionView:
         """A version is ready when every pod that answers has it loaded from exactly the ``uri``

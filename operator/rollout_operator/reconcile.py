@@ -292,8 +292,11 @@ class Reconciler:
         """Condition WeightsServed: whether every ready pod routes by ``new.weights`` (as seen before
         this reconcile's writes: a change is confirmed by the next look, polled meanwhile)."""
         serving, detail = observation.serving(new.weights)
-        if serving is None:
-            return new
+        if serving is None:  # no pod says (none answers, or an older runtime): nothing is claimed, nor polled for
+            if condition(new, "WeightsServed") is None:
+                return new
+            return with_condition(new, "WeightsServed", "Unknown", "NotReported", "no ready pod reports its weights",
+                                  now)
         text = ", ".join(f"{k}:{v}" for k, v in sorted(new.weights.items(), key=lambda kv: (-kv[1], kv[0])) if v)
         if serving:
             return with_condition(new, "WeightsServed", "True", "Served", f"every pod serves {text}", now)

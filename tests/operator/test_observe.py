@@ -55,8 +55,11 @@ def test_a_version_unloaded_while_idle_counts_as_ready_only_for_the_file_the_spe
 
 
 def test_weights_are_served_when_every_ready_pod_reports_them() -> None:
-    def weighted(name: str, weights: dict[str, int] | None, ready: bool = True) -> PodView:
-        status: dict[str, Any] = {"ready": True, "versions": {}}
+    loaded = {"v1": {"ready": True}, "v2": {"ready": False, "state": "offloaded"}}  # unloaded while idle: serves
+
+    def weighted(name: str, weights: dict[str, int] | None, ready: bool = True,
+                 versions: dict[str, Any] = loaded) -> PodView:
+        status: dict[str, Any] = {"ready": True, "versions": versions}
         if weights is not None:
             status["weights"] = weights
         return PodView(name, "127.0.0.9", 8080, ready, status)
@@ -64,6 +67,9 @@ def test_weights_are_served_when_every_ready_pod_reports_them() -> None:
     want = {"v1": 80, "v2": 20, "v3": 0}
     both = Observation([weighted("a", {"v1": 80, "v2": 20}), weighted("b", {"v1": 80, "v2": 20, "v3": 0})])
     assert both.serving(want) == (True, "")
+    # the right weights, but v2 failed to load there: its buckets go to the pod's fallback
+    failed = Observation([weighted("a", {"v1": 80, "v2": 20}, versions={"v1": {"ready": True}, "v2": {"ready": False}})])
+    assert failed.serving(want) == (False, "a has not loaded v2 (its share goes to the fallback)")
     stale = Observation([weighted("a", {"v1": 80, "v2": 20}), weighted("b", {"v1": 100, "v2": 0}),
                          weighted("c", {"v1": 100}), weighted("d", {"v2": 100}, ready=False)])
     assert stale.serving(want) == (False, "b serves v1:100 (and 1 more pods)")

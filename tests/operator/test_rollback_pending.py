@@ -570,11 +570,13 @@ class WeightedPods(Ports):
     """One ready pod that reports the weights it routes by: those of the ConfigMap once ``applied``."""
 
     applied = False
+    reports = True  # False: a runtime that does not report its weights
 
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         versions = {v["name"]: {"ready": True, "uri": v["uri"]} for v in VERSIONS}
         weights = self.served() if self.applied else {"v1": 100}
-        return Observation([PodView("pod-a", "127.0.0.1", port, True, {"versions": versions, "weights": weights})])
+        status: dict[str, Any] = {"versions": versions, **({"weights": weights} if self.reports else {})}
+        return Observation([PodView("pod-a", "127.0.0.1", port, True, status)])
 
 
 def test_the_status_says_whether_the_pods_serve_its_weights_yet(tmp_path: Path) -> None:
@@ -593,6 +595,10 @@ def test_the_status_says_whether_the_pods_serve_its_weights_yet(tmp_path: Path) 
     reconcile(ports, rec)
     served = condition(ports.status(), "WeightsServed")
     assert served is not None and served["status"] == "True" and served["message"] == "every pod serves v1:80, v2:20"
+    ports.reports, ports.applied = False, False  # an older runtime: nothing claimed either way, nor polled for
+    reconcile(ports, rec)
+    served = condition(ports.status(), "WeightsServed")
+    assert served is not None and served["status"] == "Unknown", served
 
 
 @pytest.mark.parametrize("name", ["3d-detector", "scorer.eu", "s" * 64])
