@@ -103,8 +103,8 @@ def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> lis
 
 
 def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str] | None) -> list[str]:
-    """Mark every ModelDeployment a firing alert names (``alertname@startsAt@canary``, beside the
-    marks of other alerts firing), and take a resolved alert's mark off those it marked; returns
+    """Mark every ModelDeployment a firing alert names (``alertname@startsAt@instance@canary``, beside
+    the marks of other alerts firing), and take a resolved alert's mark off those it marked; returns
     ``namespace/name`` of each object marked. A mark stays while its alert fires, so a retried
     canary is rolled back again until every alert on it resolves."""
     marked = []
@@ -118,7 +118,7 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
             for md in marked_by(kube, prefix, labels.get("namespace"), namespaces):
-                _remark(kube, md, lambda marks: [m for m in marks if not m.startswith(prefix)])  # noqa: B023
+                _remark(kube, md, lambda marks: [m for m in marks if not _of(m, prefix)])  # noqa: B023
                 log.info("alert %s mark removed from %s/%s", alertname, md["metadata"]["namespace"],
                          md["metadata"]["name"])
             continue
@@ -143,11 +143,25 @@ def instance(labels: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(labels.items())).encode()).hexdigest()[:8]
 
 
+def _of(mark: str, prefix: str) -> bool:
+    """Whether ``mark`` is the one an alert's ``name@startsAt@instance@`` prefix wrote; or, written by
+    an operator before marks had an instance (``name@startsAt@versions``), the one of its name and start."""
+    parts = mark.split("@")
+    return mark.startswith(prefix) or (len(parts) == 3 and prefix.startswith(f"{parts[0]}@{parts[1]}@"))
+
+
 def _with_mark(marks: list[str], mark: str) -> list[str]:
     """``marks`` with ``mark`` (``name@startsAt@instance@versions``) in, in place of the same alert's
-    earlier firings (same name and instance, another start)."""
-    name, _, same, _ = mark.split("@", 3)
-    kept = [m for m in marks if m == mark or m.split("@")[::2][:2] != [name, same]]
+    earlier firings (same name and instance, another start; a mark without an instance, of the same
+    name and start, too)."""
+    name, start, same, _ = mark.split("@", 3)
+
+    def earlier(m: str) -> bool:
+        parts = m.split("@")
+        return (len(parts) == 4 and parts[0] == name and parts[2] == same) or (len(parts) == 3
+                                                                              and parts[:2] == [name, start])
+
+    kept = [m for m in marks if m == mark or not earlier(m)]
     return kept if mark in kept else [*kept, mark]
 
 
@@ -186,7 +200,7 @@ def marked_by(kube: KubeClient, prefix: str, namespace: str | None, namespaces: 
     scope = [namespace] if namespace else namespaces
     if namespace and namespaces and namespace not in namespaces:
         return []
-    return [md for md in list_modeldeployments(kube, scope) if any(m.startswith(prefix) for m in marks_of(md))]
+    return [md for md in list_modeldeployments(kube, scope) if any(_of(m, prefix) for m in marks_of(md))]
 
 
 def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None) -> type:

@@ -58,10 +58,11 @@ ALERT_MARK_SEPARATOR = ";"  # between the marks of alerts firing at once (alert 
 
 
 def firing_alert(marks: str | None, canary: str | None) -> str | None:
-    """The alert name of the first ``alertname@startsAt@versions`` mark (of those the annotation
-    holds, ``;``-separated: one per alert firing) that names ``canary`` (versions: one, or an
-    experiment's challengers joined by commas; a mark without them names any canary). The webhook
-    removes a mark when its alert resolves, and only that one."""
+    """The alert name of the first ``alertname@startsAt@instance@versions`` mark (of those the
+    annotation holds, ``;``-separated: one per alert firing; ``alertname@startsAt@versions`` from an
+    operator before instances) that names ``canary`` (versions: one, or an experiment's challengers
+    joined by commas; a mark without them names any canary). The webhook removes a mark when its
+    alert resolves, and only that one."""
     if not marks or not canary:
         return None
     for mark in marks.split(ALERT_MARK_SEPARATOR):
@@ -201,9 +202,14 @@ class Reconciler:
             # decision (a rollback done, a step's weight) would say what no pod serves; the stored status
             # stays (with a pending rollback, if one was recorded: the next try finishes it), and
             # neither the decision nor its events stand.
-            # The checks' record stays (it claims nothing about routing): failures still add up to a rollback.
-            new, events = replace(RolloutStatus.from_dict(body.get("status")), observed_generation=generation,
-                                  analysis=new.analysis, failures=new.failures, sequential=new.sequential), []
+            # The checks' record stays (it claims nothing about routing) while it is the same rollout's:
+            # failures still add up to a rollback. A decision that restarted it (a new file) keeps the old.
+            stored = RolloutStatus.from_dict(body.get("status"))
+            same = (new.canary_version, new.canary_file, new.rollout_started_at) == \
+                (stored.canary_version, stored.canary_file, stored.rollout_started_at)
+            kept = new if same else stored
+            new, events = replace(stored, observed_generation=generation, analysis=kept.analysis,
+                                  failures=kept.failures, sequential=kept.sequential), []
         new = self._rejected(new, written, now)
         new = self._served(new, observation, now)
         child_events = self._child_events(first, status, new, written)

@@ -87,6 +87,8 @@ def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resyn
     wait = resync if (polling or loading) else max(resync, REJECTED_RETRY_SECONDS)
     if due is not None:
         wait = min(wait, due - now)
+    if rejected:  # nothing can be written until the API takes the child: no sooner than the retry, even
+        wait = max(wait, REJECTED_RETRY_SECONDS)  # with a check due (one not recorded is due at once, again)
     return max(0.0, wait)
 
 

@@ -345,6 +345,25 @@ def test_one_rule_firing_for_two_pods_keeps_a_mark_each(
     assert mark(kube) == marked(a["labels"], starts_at="2025-01-03T00:00:00Z")  # in place of its earlier firing
 
 
+@pytest.mark.parametrize("refired", [False, True])
+def test_a_mark_of_the_previous_format_is_honoured_then_taken_off_when_its_alert_resolves(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook, refired: bool) -> None:
+    """A mark an operator wrote before marks had an instance (name@startsAt@versions), left at the
+    upgrade: still rolls the canary back, replaced by a re-sent firing, and taken off by the resolve
+    (found by review: it stayed forever, rolling back every retry)."""
+    from rollout_operator.reconcile import firing_alert
+
+    kube.patch("ModelDeployment", "default", "scorer",
+               {"metadata": {"annotations": {ALERT_ANNOTATION: f"CanaryErrors@{STARTS_AT}@v2"}}})
+    assert firing_alert(mark(kube), "v2") == "CanaryErrors"
+    firing = alert({"alertname": "CanaryErrors", "model": "scorer", "version": "v2"})
+    if refired:  # Alertmanager's repeat: the new form in place of the old
+        assert post(webhook, payload(firing)).status_code == 200
+        assert mark(kube) == marked(firing["labels"])
+    assert post(webhook, payload({**firing, "status": "resolved"})).status_code == 200
+    assert mark(kube) is None
+
+
 def test_a_mark_written_over_a_stale_read_keeps_what_was_written_meanwhile(
         kube: KubeClient, scorer: dict[str, Any]) -> None:
     """Two webhook calls at once (Alertmanager sends each group on its own): each write carries the

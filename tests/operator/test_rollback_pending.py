@@ -731,3 +731,23 @@ def test_failed_checks_still_add_up_while_the_routing_write_is_refused(tmp_path:
     ports.reject = False
     reconcile(ports, rec)
     assert ports.status().phase == Phase.ROLLED_BACK and ports.served() == {"v1": 100}
+
+
+def test_a_restart_decided_while_the_routing_write_is_refused_keeps_the_serving_canarys_record(
+        tmp_path: Path) -> None:
+    """Found by review: the checks' record kept over a refused write was the decision's, so a decision
+    that restarted the canary (its file edited) erased the failures of the file still serving."""
+    spec = {**CANARY, "strategy": {**CANARY["strategy"], "analysis": {**ANALYSIS, "failureLimit": 3}}}
+    ports = RejectingPorts(spec, tmp_path / "runtime.yaml")
+    looks = Looks()
+    rec = Reconciler(ports, analyzer=looks, clock=Ticks())
+    for _ in range(3):
+        reconcile(ports, rec)
+    looks.next = failing(0.3)
+    reconcile(ports, rec)
+    assert ports.status().failures == 1
+    ports.reject = True
+    set_spec(ports, {**spec, "versions": [VERSIONS[0], {"name": "v2", "uri": "v2-new.mnn"}]})
+    reconcile(ports, rec)
+    st = ports.status()
+    assert st.failures == 1 and st.analysis and st.canary_file == "v2.mnn@" and ports.served() == {"v1": 80, "v2": 20}

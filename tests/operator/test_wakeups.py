@@ -44,6 +44,9 @@ LOADED = [{"name": "v1", "ready": True, "pods": 2}, {"name": "v2", "ready": True
                    conditions=[{"type": "ChildRejected", "status": "True"}]), 2, 10.0),
     (RolloutStatus(phase=Phase.READY, versions=LOADED,
                    conditions=[{"type": "ChildRejected", "status": "False"}]), 2, None),
+    # ... even with a check due (one whose record cannot be written is due at once, again and again)
+    (RolloutStatus(phase=Phase.PROGRESSING, canary_version="v2", versions=LOADED,
+                   conditions=[{"type": "ChildRejected", "status": "True"}]), 2, 10.0),
     # in flight: the resync, or the next analysis when that is sooner
     (RolloutStatus(phase=Phase.PROGRESSING, canary_version="v2", versions=LOADED), 2, 0.0),
     (RolloutStatus(phase=Phase.PROGRESSING, canary_version="v2", versions=LOADED,
