@@ -98,7 +98,7 @@ class Observation:
             missing = [v for v in routes if not (versions.get(v) or {}).get("ready")
                        and (versions.get(v) or {}).get("state") != "offloaded"]
             if routes != want:
-                off.append(f"{pod.name} serves {_weights_text(routes)}")
+                off.append(f"{pod.name} serves {weights_text(routes)}")
             elif missing:
                 off.append(f"{pod.name} has not loaded {', '.join(sorted(missing))} (its share goes to the fallback)")
         if not reported:
@@ -135,7 +135,8 @@ class Observation:
         return VersionView(spec.name, ready, len(pods), reason, _fallback(pods, spec.name), offloaded)
 
 
-def _weights_text(weights: dict[str, int]) -> str:
+def weights_text(weights: dict[str, int]) -> str:
+    """``v1:80, v2:20``: heaviest first, then by name."""
     return ", ".join(f"{k}:{v}" for k, v in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))) or "nothing"
 
 

@@ -30,7 +30,7 @@ from .verdicts import Analysis
 from .analyzer import analysing, next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
-from .observe import Observation
+from .observe import Observation, weights_text
 from .ports import DELETED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions, unlisted_stable
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, name_problem, parse_spec
@@ -75,8 +75,7 @@ def firing_alert(marks: str | None, canary: str | None) -> str | None:
 def guarded(status: RolloutStatus) -> bool:
     """Whether a canary serves users (at a step with weight, or a shadow), or an experiment runs,
     so that an invalid spec must not leave it unguarded."""
-    phase = status.phase_before_invalid if status.phase == Phase.INVALID_SPEC else status.phase
-    if phase not in (Phase.PROGRESSING, Phase.PAUSED):
+    if status.phase_in_effect not in (Phase.PROGRESSING, Phase.PAUSED):
         return False
     if status.experiment and not status.experiment.get("removed"):
         return experiment.running(status)
@@ -166,9 +165,8 @@ class Reconciler:
             spec, invalid = guard, f"{invalid}; held under the last valid spec: checks, alerts and abort still roll back"
             model, observation, world = self._look(spec, status, target, annotations)  # its model, port, versions
         assert spec is not None
-        held = status  # as the analysis sees it: held under the last valid spec, in the phase it had
-        if invalid is not None and status.phase == Phase.INVALID_SPEC:
-            held = replace(status, phase=status.phase_before_invalid or Phase.PAUSED)
+        # as the analysis sees it: held under the last valid spec, in the phase it had
+        held = replace(status, phase=status.phase_in_effect or Phase.PAUSED) if invalid is not None else status
         analysis = self._analyse(spec, held, body, observation, now)
         new, events = decide(spec, status, world, analysis, now)
         new = replace(new, versions=[observation.version(spec.version(v)).as_status()
@@ -303,7 +301,7 @@ class Reconciler:
                 return new
             return with_condition(new, "WeightsServed", "Unknown", "NotReported", "no ready pod reports its weights",
                                   now)
-        text = ", ".join(f"{k}:{v}" for k, v in sorted(new.weights.items(), key=lambda kv: (-kv[1], kv[0])) if v)
+        text = weights_text({k: v for k, v in new.weights.items() if v})
         if serving:
             return with_condition(new, "WeightsServed", "True", "Served", f"every pod serves {text}", now)
         return with_condition(new, "WeightsServed", "False", "Applying", f"{detail}; applying {text}", now)

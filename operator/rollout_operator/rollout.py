@@ -489,7 +489,7 @@ def mark_invalid(status: RolloutStatus, message: str, now: float) -> RolloutStat
     """An invalid spec changes nothing that serves traffic: only phase, message and condition.
     The phase it replaces is kept, so a valid spec resumes the rollout where it was (a rolled-back
     canary stays rolled back, a pending rollback is still finished)."""
-    before = status.phase_before_invalid if status.phase == Phase.INVALID_SPEC else status.phase
+    before = status.phase_in_effect
     st = replace(status, phase=Phase.INVALID_SPEC, phase_before_invalid=before, message=message)
     return with_condition(st, "InvalidSpec", "True", "InvalidSpec", message, now)
 

@@ -120,6 +120,12 @@ class RolloutStatus:
     versions: list[dict[str, Any]] = field(default_factory=list)
     conditions: tuple[dict[str, Any], ...] = ()
 
+    @property
+    def phase_in_effect(self) -> Phase | None:
+        """The phase the rollout is in: while InvalidSpec, the one it had (``phase_before_invalid``),
+        which a held rollout goes on in and a valid spec resumes from."""
+        return self.phase_before_invalid if self.phase == Phase.INVALID_SPEC else self.phase
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> RolloutStatus:
         raw = raw or {}

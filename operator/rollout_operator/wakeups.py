@@ -258,7 +258,7 @@ class WakeUps:
                 guard = guard_spec(status)
                 if guard is None:
                     return None  # an invalid spec waits for the user's next edit
-                spec, status = guard, replace(status, phase=status.phase_before_invalid or Phase.PAUSED)
+                spec, status = guard, replace(status, phase=status.phase_in_effect or Phase.PAUSED)
             else:
                 spec = parse_spec(live.get("spec"))
             pods = max((int(v.get("pods", 0)) for v in status.versions), default=0)
