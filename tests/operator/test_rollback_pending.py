@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -106,9 +106,17 @@ class Ticks:
         return self.now
 
 
-def setup(tmp_path: Path, spec: dict[str, Any]) -> tuple[Ports, Reconciler, Looks]:
-    ports, looks = Ports(spec, tmp_path / "runtime.yaml"), Looks()
+P = TypeVar("P", bound=Ports)
+
+
+def setup_on(tmp_path: Path, spec: dict[str, Any], ports_type: type[P]) -> tuple[P, Reconciler, Looks]:
+    """``spec`` on ports of ``ports_type``, its Reconciler (on Ticks) and its analyzer."""
+    ports, looks = ports_type(spec, tmp_path / "runtime.yaml"), Looks()
     return ports, Reconciler(ports, analyzer=looks, clock=Ticks()), looks
+
+
+def setup(tmp_path: Path, spec: dict[str, Any]) -> tuple[Ports, Reconciler, Looks]:
+    return setup_on(tmp_path, spec, Ports)
 
 
 def reconcile(ports: Ports, rec: Reconciler) -> Outcome:
@@ -122,12 +130,22 @@ def failing(errors: float, breached: tuple[str, ...] | None = None) -> Analysis:
     return Analysis(T0, FAIL, (metric,), 100, message=f"error-rate {errors} breached 0.05", breached=breached)
 
 
-def at_step(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
-    """The canary at step 1 (v1 80%, v2 20%)."""
-    ports, rec, looks = setup(tmp_path, CANARY)
+def with_failure_limit(limit: int) -> dict[str, Any]:
+    """CANARY with its analysis's ``failureLimit`` set."""
+    return {**CANARY, "strategy": {**CANARY["strategy"], "analysis": {**ANALYSIS, "failureLimit": limit}}}
+
+
+def at_step_on(tmp_path: Path, spec: dict[str, Any], ports_type: type[P]) -> tuple[P, Reconciler, Looks]:
+    """The canary of ``spec`` at step 1 (v1 80%, v2 20%), on ports of ``ports_type``."""
+    ports, rec, looks = setup_on(tmp_path, spec, ports_type)
     for _ in range(3):
         reconcile(ports, rec)
     return ports, rec, looks
+
+
+def at_step(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
+    """The canary at step 1 (v1 80%, v2 20%)."""
+    return at_step_on(tmp_path, CANARY, Ports)
 
 
 def rolled_back(tmp_path: Path) -> tuple[Ports, Reconciler, Looks]:
@@ -546,11 +564,7 @@ def test_a_rollback_whose_routing_write_is_refused_is_not_reported_done_and_is_f
         tmp_path: Path) -> None:
     """Found in review: with the routing ConfigMap refused (422), the status still said RolledBack
     {v1: 100} and dropped the pending record, while the pods kept serving 80/20."""
-    ports = RejectingPorts(CANARY, tmp_path / "runtime.yaml")
-    looks = Looks()
-    rec = Reconciler(ports, analyzer=looks, clock=Ticks())
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, looks = at_step_on(tmp_path, CANARY, RejectingPorts)
     assert ports.served() == {"v1": 80, "v2": 20}
     ports.reject, looks.next = True, failing(0.3)
     outcome = reconcile(ports, rec)
@@ -582,10 +596,7 @@ class WeightedPods(Ports):
 def test_the_status_says_whether_the_pods_serve_its_weights_yet(tmp_path: Path) -> None:
     """Found in review: status.weights were claimed as what every pod serves the moment the ConfigMap
     was written. They are the routing's; condition WeightsServed says whether the pods serve them."""
-    ports = WeightedPods(CANARY, tmp_path / "runtime.yaml")
-    rec = Reconciler(ports, analyzer=Looks(), clock=Ticks())
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, _ = at_step_on(tmp_path, CANARY, WeightedPods)
     st = ports.status()
     assert st.weights == {"v1": 80, "v2": 20} == ports.served()
     served = condition(st, "WeightsServed")
@@ -646,10 +657,7 @@ class ModelPods(Ports):
 def test_a_canary_held_for_an_unlisted_stable_keeps_the_model_name_and_port_it_served(tmp_path: Path) -> None:
     """Held under the last valid spec, the routing was written with the new spec's model name (and
     the pods looked for on its port): every request to the old name got 404."""
-    ports = ModelPods(CANARY, tmp_path / "runtime.yaml")
-    rec = Reconciler(ports, analyzer=Looks(), clock=Ticks())
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, _ = at_step_on(tmp_path, CANARY, ModelPods)
     set_spec(ports, {**CANARY, "model": "other", "runtime": {"port": 9000},
                      "versions": [{"name": "v1-int8", "uri": "v1.mnn"}, VERSIONS[1]]})
     reconcile(ports, rec)
@@ -696,11 +704,9 @@ class ConfigPods(Ports):
 def test_spec_stable_set_back_to_a_retired_version_is_loaded_then_takes_over(tmp_path: Path) -> None:
     """A new spec.stable takes over once loaded, but a retired version was not routed, so never
     loaded: going back to the version a promotion retired never took effect."""
-    ports = ConfigPods(CANARY, tmp_path / "runtime.yaml")
-    ticks = Ticks()
-    rec = Reconciler(ports, analyzer=Looks(), clock=ticks)
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, _ = at_step_on(tmp_path, CANARY, ConfigPods)
+    ticks = rec.clock
+    assert isinstance(ticks, Ticks)
     ports.body["metadata"]["annotations"] = {"mnnrollout.io/action": "promote-full:1"}
     reconcile(ports, rec)
     ticks.now += 10_000
@@ -716,12 +722,7 @@ def test_spec_stable_set_back_to_a_retired_version_is_loaded_then_takes_over(tmp
 def test_failed_checks_still_add_up_while_the_routing_write_is_refused(tmp_path: Path) -> None:
     """With failureLimit 2, the status restored after each refused routing write dropped the checks'
     record too: failures never added up to a rollback."""
-    spec = {**CANARY, "strategy": {**CANARY["strategy"], "analysis": {**ANALYSIS, "failureLimit": 2}}}
-    ports = RejectingPorts(spec, tmp_path / "runtime.yaml")
-    looks = Looks()
-    rec = Reconciler(ports, analyzer=looks, clock=Ticks())
-    for _ in range(3):
-        reconcile(ports, rec)
+    ports, rec, looks = at_step_on(tmp_path, with_failure_limit(2), RejectingPorts)
     ports.reject = True
     for failures in (1, 2):
         looks.next = failing(0.3)
@@ -737,12 +738,8 @@ def test_a_restart_decided_while_the_routing_write_is_refused_keeps_the_serving_
         tmp_path: Path) -> None:
     """Found by review: the checks' record kept over a refused write was the decision's, so a decision
     that restarted the canary (its file edited) erased the failures of the file still serving."""
-    spec = {**CANARY, "strategy": {**CANARY["strategy"], "analysis": {**ANALYSIS, "failureLimit": 3}}}
-    ports = RejectingPorts(spec, tmp_path / "runtime.yaml")
-    looks = Looks()
-    rec = Reconciler(ports, analyzer=looks, clock=Ticks())
-    for _ in range(3):
-        reconcile(ports, rec)
+    spec = with_failure_limit(3)
+    ports, rec, looks = at_step_on(tmp_path, spec, RejectingPorts)
     looks.next = failing(0.3)
     reconcile(ports, rec)
     assert ports.status().failures == 1
