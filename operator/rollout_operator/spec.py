@@ -154,7 +154,9 @@ def has_cpu_request(resources: dict[str, Any]) -> bool:
     return any("cpu" in (resources.get(kind) or {}) for kind in ("requests", "limits"))
 
 
+# object and Secret names, label key prefixes
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Service names
 LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
@@ -276,7 +278,6 @@ class RuntimeSpec(_Model):
         return self
 
 
-SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # DNS-1123 subdomain
 S3_ENDPOINT = re.compile(r"^https?://[^/\s?#@]+/?$")
 
 
@@ -307,7 +308,7 @@ class S3SourceSpec(_Model):
     @field_validator("secret_name")
     @classmethod
     def _secret_name(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > 253 or not SECRET_NAME.match(value)):
+        if value is not None and (len(value) > 253 or not DNS1123_SUBDOMAIN.match(value)):
             raise ValueError(f"secretName {value!r} is not a Secret name (a DNS-1123 subdomain)")
         return value
 
@@ -404,9 +405,6 @@ def parse_spec(raw: Any) -> ModelDeploymentSpec:
         return ModelDeploymentSpec.model_validate(raw)
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc, prefix="spec.")) from None
-
-
-DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 def name_problem(name: str) -> str | None:
