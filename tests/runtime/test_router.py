@@ -3,11 +3,13 @@ draws for any number of versions, identical wherever they are computed or publis
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 import random
 import subprocess
 import sys
+import zlib
 from collections import Counter
 
 import pytest
@@ -138,6 +140,23 @@ def test_a_table_round_trips_through_its_encoding_and_a_bad_one_is_refused_namin
         decode({"versions": ["v1"], "buckets": "@@@"})
     with pytest.raises(ValueError, match="routing.table.buckets: 3 buckets"):
         decode(encode(("v1",) * 3))
+
+
+def test_a_table_that_inflates_past_its_buckets_or_carries_more_is_refused_without_inflating_it() -> None:
+    def buckets(raw: bytes) -> dict[str, object]:
+        return {"versions": ["v1"], "buckets": base64.b64encode(raw).decode()}
+
+    bomb = zlib.compress(bytes(10_000_000), 9)  # 13 KB of base64 that would inflate to 10 MB
+    with pytest.raises(ValueError, match="routing.table.buckets: more than 10000 buckets"):
+        decode(buckets(bomb))
+    with pytest.raises(ValueError, match="routing.table.buckets: 20000 characters, at most 16384"):
+        decode({"versions": ["v1"], "buckets": "A" * 20_000})
+    whole = zlib.compress(bytes(BUCKETS))
+    with pytest.raises(ValueError, match="routing.table.buckets: .* followed by other data"):
+        decode(buckets(whole + b"left over"))
+    with pytest.raises(ValueError, match="routing.table.buckets: .* cut short"):
+        decode(buckets(whole[:-4]))
+    assert decode(buckets(whole)) == ("v1",) * BUCKETS
 
 
 def test_the_same_key_maps_to_the_same_version_in_two_separate_processes() -> None:

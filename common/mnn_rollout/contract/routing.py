@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 
 BUCKETS = 10_000
 PER_PERCENT = BUCKETS // 100
+# The longest ``buckets`` text decoded: one byte per bucket that zlib could not compress at all,
+# in base64, with room to spare (an encoded table is a few KB).
+MAX_BUCKETS_TEXT = 16_384
 
 
 def bucket_of(salt: str, key: str) -> int:
@@ -98,10 +101,20 @@ def decode(table: Mapping[str, object]) -> tuple[str, ...]:
     names = table.get("versions")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError("routing.table.versions: must be a list of version names")
+    text = str(table.get("buckets", ""))
+    if len(text) > MAX_BUCKETS_TEXT:  # before decoding: a ConfigMap value may hold a MiB
+        raise ValueError(f"routing.table.buckets: {len(text)} characters, at most {MAX_BUCKETS_TEXT}")
     try:
-        raw = zlib.decompress(base64.b64decode(str(table.get("buckets", "")), validate=True))
+        # Bounded: a few KB of zlib can inflate to GBs; no table is over one byte per bucket.
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(base64.b64decode(text, validate=True), BUCKETS + 1)
     except (ValueError, zlib.error) as exc:
         raise ValueError(f"routing.table.buckets: not zlib-compressed base64 ({exc})") from None
+    if len(raw) > BUCKETS:
+        raise ValueError(f"routing.table.buckets: more than {BUCKETS} buckets")
+    if not inflater.eof or inflater.unused_data:
+        raise ValueError("routing.table.buckets: not zlib-compressed base64 (the stream is "
+                         + ("cut short)" if not inflater.eof else "followed by other data)"))
     if len(raw) != BUCKETS:
         raise ValueError(f"routing.table.buckets: {len(raw)} buckets, must be {BUCKETS}")
     if max(raw) >= len(names):
