@@ -66,7 +66,7 @@ class Analyzer:
             key=f"{meta['uid']}@{status.rollout_started_at}", namespace=meta["namespace"], name=meta["name"],
             model=spec.model_name(meta["name"]), versions=versions, interval_seconds=analysis.interval_seconds,
             metrics=metrics, pod_urls=tuple(p.url for p in observation.pods if p.ip), shadow=shadow,
-            since=status.step_started_at,
+            since=status.step_started_at, tracked=analysis.metrics,
         )
         try:
             samples = self.factory.get(analysis.provider, meta["namespace"]).sample(ctx)

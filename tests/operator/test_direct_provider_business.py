@@ -14,10 +14,15 @@ import pytest
 import yaml
 
 from mnn_rollout.local.net import wait_for
+from rollout_operator.analyzer import Analyzer
+from rollout_operator.observe import Observation, PodView
 from rollout_operator.providers.base import SampleContext
 from rollout_operator.providers.direct import DirectProvider
+from rollout_operator.providers.factory import ProviderFactory
+from rollout_operator.spec import ModelDeploymentSpec
+from rollout_operator.status import Phase, RolloutStatus, iso
 from rollout_operator.strategy import AnalysisSpec, MetricSpec
-from rollout_operator.verdicts import FAIL, PASS, evaluate
+from rollout_operator.verdicts import FAIL, PASS, Analysis, evaluate
 from testbed.promstack import GOOD_BODY
 from tests.runtime.test_metrics import samples
 from tests.runtime_server import RuntimeServer
@@ -147,3 +152,40 @@ def test_compare_metrics_get_each_roles_counter_increase_per_version(pods: dict[
     assert s["revenue"] == {"n": 6.0, "sum": 9.0, "squares": 16.5}
     assert (c["per-request"]["trials"], s["per-request"]["trials"]) == (6.0, 10.0)  # answered requests
     assert not samples_["v2"].since_step  # deltas: the analysis adds them to the step's stratum
+
+
+def test_the_first_look_after_a_shadow_step_counts_only_its_own_interval(pods: dict[str, RuntimeServer]) -> None:
+    """A shadow step is judged by shadow metrics only, but the analyzer's scrapes keep the baseline
+    of every metric of the analysis: the weighted step's first look must not take all the feedback
+    the pod counted before (history at another rate) as its own interval's."""
+    url = pods["v2"].url
+    host, port = url.removeprefix("http://").split(":")
+    spec = ModelDeploymentSpec.model_validate({
+        "versions": [{"name": "v1", "uri": "file:///m/v1.mnn"}, {"name": "v2", "uri": "file:///m/v2.mnn"}],
+        "stable": "v1", "canary": "v2", "strategy": {
+            "steps": [{"shadow": 20, "pause": "1m"}, {"weight": 10, "pause": "1m"}],
+            "analysis": {"interval": "10s", "minRequests": 1, "metrics": [
+                {"name": "shadow-error-rate", "max": 0.05},
+                {"name": "conversion", "compare": "stable", "margin": 0.01}]}}})
+    seen = Observation([PodView("pod-a", host, int(port), True, {})])
+    body = {"metadata": {"uid": "uid-after-shadow", "namespace": "default", "name": "scorer"}}
+    analyzer, looked = Analyzer(ProviderFactory()), [0.0]
+
+    def look(shadow: bool) -> Analysis:
+        looked[0] += 100.0  # each look due
+        status = RolloutStatus(phase=Phase.PROGRESSING, stable_version="v1", canary_version="v2",
+                               canary_weight=0 if shadow else 10, shadow_percent=20 if shadow else None,
+                               current_step=0 if shadow else 1, rollout_started_at=1.0, step_started_at=1.0,
+                               analysis={"checkedAt": iso(looked[0] - 100.0)})
+        found = analyzer(spec, status, body, seen, looked[0])
+        assert found is not None
+        return found
+
+    assert "baseline" in look(True).message  # the baseline, in the shadow step
+    history = pinned(url, "v1", 8)
+    feedback(url, [(i, 1.0) for i in history])  # earlier outcomes, all converted
+    assert "conversion" not in (look(True).sequential or {})  # the shadow step judges no compare metric
+    canary, stable = pinned(url, "v2", 3), pinned(url, "v1", 4)
+    feedback(url, [(canary[0], 1.0), (canary[1], 0.0), (stable[0], 0.0), (stable[1], 1.0), (stable[2], 0.0)])
+    strata = (look(False).sequential or {})["conversion"]["strata"]
+    assert strata == [{"step": 1, "canary": {"n": 2.0, "sum": 1.0}, "stable": {"n": 3.0, "sum": 1.0}}]  # not 9 of 11

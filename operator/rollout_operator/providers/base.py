@@ -26,6 +26,10 @@ class SampleContext:
     pod_urls: Sequence[str] = field(default_factory=tuple)
     shadow: bool = False  # a shadow step: read the canary's mnn_shadow_* series (labelled with its version)
     since: float | None = None  # when the step started (epoch s): counts since then, for providers that can
+    # Every metric of the analysis, whichever this step is judged by: a provider that keeps a baseline per
+    # series (direct) keeps one for each, so the first look of the next step (a weighted step after a
+    # shadow one) counts only its own interval. Empty: ``metrics``.
+    tracked: Sequence[MetricSpec] = field(default_factory=tuple)
 
 
 class MetricProvider(Protocol):

@@ -7,7 +7,8 @@ the shadow version's ``mnn_shadow_*`` counters and histograms give ``Sample.shad
 
 Counters and histogram buckets are summed across pods; the analysis interval's values are the
 deltas since the previous scrape of the same pod. The first scrape of an object only sets the
-baseline. A pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted:
+baseline. Every scrape keeps the series of every metric of the analysis and the shadow series,
+whichever the step is judged by, so the step after a shadow step counts only its own interval. A pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted:
 its counters began again at 0, so their current values are the interval's. A pod missed by one
 scrape keeps its baseline for the next, and makes this interval's sample an error (inconclusive):
 its requests went uncounted, so the interval has no request count.
@@ -117,11 +118,10 @@ class DirectProvider:
     def is_online(self) -> bool:
         return True
 
-    def _scrape(self, urls: list[str], model: str, custom: Sequence[MetricSpec],
-                shadow: bool = False) -> tuple[Snapshot, list[str]]:
+    def _scrape(self, urls: list[str], model: str, custom: Sequence[MetricSpec]) -> tuple[Snapshot, list[str]]:
         def one(url: str) -> tuple[str, dict[tuple[str, str, str], float] | None, str | None]:
             try:
-                return url, parse(self._fetch(url), model, custom, shadow), None
+                return url, parse(self._fetch(url), model, custom, shadow=True), None
             except (httpx.HTTPError, ValueError) as exc:
                 return url, None, f"{url}: {exc or type(exc).__name__}"
 
@@ -138,7 +138,9 @@ class DirectProvider:
     def sample(self, ctx: SampleContext) -> dict[str, Sample]:
         if not ctx.pod_urls:
             return {v: Sample(error="no runtime pods to scrape") for v in ctx.versions}
-        current, errors = self._scrape(list(ctx.pod_urls), ctx.model, ctx.metrics, ctx.shadow)
+        # Every series any step reads, whichever this one is judged by: a series left out of one scrape
+        # would have no baseline at the next, and count all its pod ever counted as one interval's.
+        current, errors = self._scrape(list(ctx.pod_urls), ctx.model, ctx.tracked or ctx.metrics)
         with self._lock:
             previous = self._previous.get(ctx.key)
             # Pods missed by this scrape keep their baseline (dropped once they leave the pod list).
