@@ -10,7 +10,9 @@ removes that alert's mark when Alertmanager reports it resolved (another alert s
 its own: a retried canary is rolled back again while any fires); each write carries the object's
 resourceVersion, so two webhook calls at once never lose a mark; the replica that holds the peering lease
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
-missing or wrong bearer token 401, and neither changes anything.
+missing or wrong bearer token 401, and neither changes anything. A connection idle for ``idle_timeout_s``
+is closed, and at most ``max_connections`` are served at once (one more is answered 503 and closed), so
+idle or slow clients cannot hold the operator's threads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +32,8 @@ from .reconcile import ALERT_ANNOTATION, ALERT_MARK_SEPARATOR
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
 
 
 class PayloadError(ValueError):
@@ -203,8 +208,11 @@ def marked_by(kube: KubeClient, prefix: str, namespace: str | None, namespaces: 
     return [md for md in list_modeldeployments(kube, scope) if any(_of(m, prefix) for m in marks_of(md))]
 
 
-def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None) -> type:
+def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> type:
     class Handler(BaseHTTPRequestHandler):
+        timeout = idle_timeout_s  # each read on the connection; a read that times out closes it
+
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("webhook: " + fmt, *args)
 
@@ -243,12 +251,54 @@ def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[st
     return Handler
 
 
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, up to ``max_connections`` at once; a connection over the cap is
+    answered 503 and closed without a thread."""
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.warning("webhook: %d connections open, refusing one from %s", self.max_connections, client_address)
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps({"error": f"over {self.max_connections} connections at once; retry"}).encode()
+        try:
+            request.settimeout(1.0)
+            request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.setblocking(False)
+            while request.recv(1 << 16):  # what the client sent already: read, so closing does not reset
+                pass
+        except OSError:  # nothing more to read (BlockingIOError), or the client is gone
+            pass
+        self.shutdown_request(request)
+
+
 class AlertWebhook:
-    """A threaded HTTP server beside kopf's event loop."""
+    """A threaded HTTP server beside kopf's event loop, its connections capped and timed out."""
 
     def __init__(self, kube: KubeClient, host: str, port: int, token: Callable[[], str],
-                 namespaces: list[str] | None = None) -> None:
-        self.server = ThreadingHTTPServer((host, port), make_handler(kube, token, namespaces))
+                 namespaces: list[str] | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.server = BoundedHTTPServer((host, port), make_handler(kube, token, namespaces, idle_timeout_s),
+                                        max_connections)
         self.thread = threading.Thread(target=self.server.serve_forever, name="alert-webhook", daemon=True)
 
     @property

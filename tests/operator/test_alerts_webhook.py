@@ -4,6 +4,8 @@ and end to end behind a real Alertmanager (and Prometheus alerting rules)."""
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -386,6 +388,80 @@ def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(
     assert resp.status_code == 503 and "500" in resp.json()["error"]
     assert mark(kube) is None
     assert post(webhook, body).json() == {"rolledBack": ["default/scorer"]}  # the retry succeeds
+
+
+# -- connections: idle ones are closed, at most max_connections at once ----------------------------
+
+
+def handler_threads() -> int:
+    """Threads serving a webhook connection (socketserver names them after process_request_thread)."""
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+def wait_until(check: Callable[[], bool], deadline_s: float, what: str) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {deadline_s} s: {what}"
+        time.sleep(0.02)
+
+
+def closed_by_server(sock: socket.socket) -> bytes:
+    """All the server sends on ``sock`` until it closes it (a socket.timeout if it does not)."""
+    received = b""
+    while chunk := sock.recv(4096):
+        received += chunk
+    return received
+
+
+def test_idle_and_half_sent_connections_are_closed_after_the_idle_timeout_and_their_threads_end(
+        kube: KubeClient) -> None:
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=0.5)
+    hook.start()
+    baseline = handler_threads()
+    socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(6)]
+    try:
+        socks[1].sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        socks[2].sendall(b"POST /alerts HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
+                         + b"\r\nContent-Length: 100\r\n\r\n{")  # the body never finished
+        wait_until(lambda: handler_threads() == baseline + 6, 5, "a thread serving each connection")
+        for sock in socks:
+            assert closed_by_server(sock) == b""  # no reply: a read timed out (before the fix: socket.timeout)
+        wait_until(lambda: handler_threads() == baseline, 5, "the connections' threads end")
+        assert healthz(hook) == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        hook.stop()
+        hook.server.server_close()
+
+
+def healthz(hook: AlertWebhook) -> int | None:
+    """GET /healthz's status; None when the connection is dropped."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{hook.port}/healthz", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def test_a_connection_over_the_cap_is_answered_503_at_once_and_a_freed_slot_serves_again(
+        kube: KubeClient) -> None:
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=30, max_connections=4)
+    hook.start()
+    baseline = handler_threads()
+    socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(4)]
+    try:
+        wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving each connection")
+        with socket.create_connection(("127.0.0.1", hook.port), timeout=5) as over:
+            reply = closed_by_server(over)  # before the fix: a fifth thread, and socket.timeout here
+        assert reply.startswith(b"HTTP/1.0 503 ") and b"over 4 connections at once" in reply, reply
+        assert handler_threads() == baseline + 4
+        socks[0].close()
+        wait_until(lambda: healthz(hook) == 200, 5, "a connection served once one of the four closed")
+    finally:
+        for sock in socks:
+            sock.close()
+        hook.stop()
+        hook.server.server_close()
 
 
 # -- end to end: a real Alertmanager (and Prometheus) in front of the webhook ---------------------
