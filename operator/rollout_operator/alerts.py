@@ -234,7 +234,11 @@ def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[st
             given = self.headers.get("Authorization", "")
             if not expected or not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
                 return self._reply(401, {"error": "missing or wrong bearer token"})
-            length = int(self.headers.get("Content-Length") or 0)
+            given_length = (self.headers.get("Content-Length") or "0").strip()
+            if not (given_length.isascii() and given_length.isdigit()):
+                return self._reply(400, {"error": f"Content-Length: {given_length!r} is not a whole number of "
+                                                  f"bytes (0 to {MAX_BODY})"})
+            length = int(given_length)
             if length > MAX_BODY:
                 return self._reply(413, {"error": f"body over {MAX_BODY} bytes"})
             try:

@@ -3,6 +3,7 @@ and end to end behind a real Alertmanager (and Prometheus alerting rules)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -166,6 +167,29 @@ def test_malformed_payloads_get_400_naming_the_problem_and_change_nothing(
         resp = post(webhook, body)
         assert resp.status_code == 400, (body, resp.text)
         assert message in resp.json()["error"], (body, resp.json())
+    assert md_writes(emu) == writes and mark(kube) is None
+
+
+def raw_post(hook: AlertWebhook, content_length: bytes, body: bytes = b'{"alerts": []}') -> bytes:
+    """The reply to a POST /alerts sent as bytes with this Content-Length (a socket.timeout if none)."""
+    with socket.create_connection(("127.0.0.1", hook.port), timeout=5) as sock:
+        sock.sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                     + b"\r\nContent-Length: " + content_length + b"\r\n\r\n" + body)
+        return closed_by_server(sock)
+
+
+def test_a_content_length_that_is_not_a_whole_number_gets_400_naming_it_and_an_over_large_one_413(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    writes = md_writes(emu)
+    for given in (b"abc", b"-1", b"1.5", b"1_4", b"0x10", b"\xb2"):  # before the fix: no reply, or a hang on -1
+        reply = raw_post(webhook, given)
+        status, _, body = reply.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.0 400 "), (given, reply)
+        error = json.loads(body)["error"]
+        assert error.startswith(f"Content-Length: {given.decode('latin-1')!r} is not a whole number"), error
+    reply = raw_post(webhook, str((1 << 20) + 1).encode())
+    assert reply.startswith(b"HTTP/1.0 413 ") and b"body over 1048576 bytes" in reply, reply
+    assert raw_post(webhook, b" 14 ").startswith(b"HTTP/1.0 200 ")  # whitespace around it is allowed
     assert md_writes(emu) == writes and mark(kube) is None
 
 
