@@ -138,7 +138,8 @@ class DataPlane:
         """Route, check, run and encode one request; every outcome is counted for its version.
         ``parsed``: the request object and its binary part, already apart (gRPC, which has no JSON
         to parse): ``body`` is then unused and the outputs come back raw (``InferResult.tensors``).
-        ``at_once``: its forward is not grouped with the others of this turn (batching.Grouper)."""
+        ``at_once``: its forward is not grouped with the others of this turn (batching.Grouper).
+        ``headers``: lower-case names, values decoded as latin-1 (a char per byte, as ASGI and HPACK give them)."""
         started = time.perf_counter()
         label = UNROUTED
         flight = None
@@ -279,11 +280,12 @@ class DataPlane:
             return pinned
         routing = snap.config.routing
         key = headers.get(routing.header.lower())
-        if key is None and request is not None:
-            params = request.get("parameters")
-            value = params.get(routing.parameter) if isinstance(params, dict) else None
-            if isinstance(value, (str, int)) and not isinstance(value, bool):
-                key = str(value)
+        if key is not None and not key.isascii():
+            key = _header_text(routing.header, key)
+        if not key or key.isspace():  # an empty header is no key: not one bucket for all who send it
+            key = None
+            if request is not None:
+                key = _parameter_key(request, routing.parameter)
         if key is None and request is None:
             return None
         return snap.table.route(key)
@@ -324,6 +326,34 @@ class DataPlane:
         if len(batches) > 1:
             raise BadRequest(f"inputs: batch sizes differ between inputs: {sorted(batches)}")
         return [given[s.name] for s in model.inputs], _wanted_outputs(request, state)
+
+
+def _header_text(name: str, value: str) -> str:
+    """A header's value as the UTF-8 text it carries: front ends hand header values over decoded
+    as latin-1 (one char per byte, as ASGI and HPACK give them), the body's keys are JSON text, and
+    the same user must hash the same either way."""
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        shown = value.encode("latin-1", "replace")
+        raise BadRequest(f"header {name}: {shown[:64]!r}{'...' if len(shown) > 64 else ''} is not UTF-8; "
+                         "a user key must be UTF-8 text") from None
+
+
+def _parameter_key(request: dict[str, Any], name: str) -> str | None:
+    """The user key in the body's ``parameters``: a string or an integer; None when absent, null
+    or empty; anything else is refused, not routed at random unnoticed."""
+    params = request.get("parameters")
+    value = params.get(name) if isinstance(params, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value if value and not value.isspace() else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    shown = repr(value)
+    raise BadRequest(f"parameters.{name}: {shown[:64]}{'...' if len(shown) > 64 else ''} is not a user key; "
+                     "valid: a string or an integer")
 
 
 def _batching_status(state: VersionState) -> dict[str, Any] | None:

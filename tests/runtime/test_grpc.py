@@ -7,6 +7,7 @@ import asyncio
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,47 @@ def test_routed_infer_follows_the_routing_table(served: Served) -> None:
     by_param = [served.client.infer("scorer", [inp], parameters={"user_id": k}).get_response().model_version
                 for k in keys[:10]]
     assert by_param == got[:10]
+
+
+def raw_call(served: Served, metadata: dict[str, bytes], **request: Any) -> dict[str, str]:
+    """The trailers of a ModelInfer call sent over a raw HTTP/2 client, its metadata as raw bytes
+    (grpcio sends only printable ASCII in text metadata; other clients send UTF-8)."""
+    from tests.runtime.test_grpc_h2 import Client
+
+    x = features(1)
+    message = pb.ModelInferRequest(model_name="scorer", raw_input_contents=[x.tobytes()], inputs=[
+        pb.ModelInferRequest.InferInputTensor(name="features", datatype="FP32", shape=[1, 64])], **request)
+    client = Client(int(served.address.rpartition(":")[2]))
+    try:
+        extra = {k: v.decode("latin-1") for k, v in metadata.items()}  # encoded back to the same bytes
+        trailers, _, _ = client.answer(client.call("/inference.GRPCInferenceService/ModelInfer",
+                                                   message.SerializeToString(), extra))
+        return trailers
+    finally:
+        client.sock.close()
+
+
+def test_a_non_ascii_user_key_in_metadata_routes_as_the_same_key_in_parameters(served: Served) -> None:
+    table = RoutingTable.build("scorer", {"v1": 90, "v2": 10}, "v1")
+    keys = [f"Zoë-{i}" for i in range(60)]
+    assert {table.route(k) for k in keys} == {"v1", "v2"}
+    inp = triton_input(features(1))
+    for key in keys:
+        by_metadata = raw_call(served, {"x-user-id": key.encode()})
+        by_param = served.client.infer("scorer", [inp], parameters={"user_id": key}).get_response().model_version
+        assert by_metadata["grpc-status"] == "0" and by_metadata["x-model-version"] == by_param == table.route(key)
+    refused = raw_call(served, {"x-user-id": b"Zo\xeb"})
+    assert refused["grpc-status"] == "3"  # INVALID_ARGUMENT
+    assert "header X-User-Id: b'Zo\\xeb' is not UTF-8" in urllib.parse.unquote(refused["grpc-message"])
+
+
+def test_a_blank_user_key_in_metadata_is_no_key_and_a_float_user_id_is_refused(served: Served) -> None:
+    seen = [raw_call(served, {"x-user-id": b"  "})["x-model-version"] for _ in range(100)]
+    assert set(seen) == {"v1", "v2"}  # weighted random, not one bucket
+    err = grpc_error(lambda: served.client.infer("scorer", [triton_input(features(1))],
+                                                 parameters={"user_id": 4242.0}))
+    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert err.message() == "parameters.user_id: 4242.0 is not a user key; valid: a string or an integer"
 
 
 def test_wrong_shape_is_invalid_argument_with_the_rest_message(served: Served) -> None:

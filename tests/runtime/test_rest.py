@@ -105,6 +105,40 @@ def test_the_user_id_parameter_routes_like_the_header(client: httpx.Client) -> N
         assert by_header == by_param
 
 
+def test_a_non_ascii_user_key_routes_the_same_by_header_as_by_parameter(client: httpx.Client) -> None:
+    table = RoutingTable.build("scorer", {"v1": 90, "v2": 10}, "v1")
+    keys = [f"José-{i}" for i in range(200)]
+    assert {table.route(k) for k in keys} == {"v1", "v2"}  # enough keys that a wrong hash shows
+    for key in keys:
+        by_header = client.post(INFER, json=body(), headers=[(b"X-User-Id", key.encode())])
+        by_param = client.post(INFER, json=body(parameters={"user_id": key}))
+        assert by_header.headers["x-model-version"] == by_param.headers["x-model-version"] == table.route(key)
+
+
+def test_a_user_key_header_that_is_not_utf8_gets_400_naming_the_header(client: httpx.Client) -> None:
+    r = client.post(INFER, json=body(), headers=[(b"X-User-Id", b"Jos\xe9")])
+    assert r.status_code == 400
+    assert err(r) == "header X-User-Id: b'Jos\\xe9' is not UTF-8; a user key must be UTF-8 text"
+
+
+# (a blank header cannot be sent: HTTP strips the spaces around a value)
+@pytest.mark.parametrize("how", ["empty header", "empty parameter", "blank parameter"])
+def test_an_empty_user_key_is_no_key_and_is_split_by_weight(client: httpx.Client, how: str) -> None:
+    blank = "" if how.startswith("empty") else "  "
+    headers = {"X-User-Id": blank} if how.endswith("header") else {}
+    extra = {"parameters": {"user_id": blank}} if how.endswith("parameter") else {}
+    versions = [client.post(INFER, json=body(**extra), headers=headers).json()["model_version"] for _ in range(200)]
+    assert 0.03 < versions.count("v2") / len(versions) < 0.2  # not every request in one bucket
+
+
+@pytest.mark.parametrize("value", [4242.0, 1.5, True, [1], {"id": 1}])
+def test_a_user_id_parameter_that_is_neither_a_string_nor_an_integer_gets_400(client: httpx.Client,
+                                                                                value: object) -> None:
+    r = client.post(INFER, json=body(parameters={"user_id": value}))
+    assert r.status_code == 400
+    assert err(r) == f"parameters.user_id: {value!r} is not a user key; valid: a string or an integer"
+
+
 def test_a_version_is_pinned_by_header_or_by_the_versioned_url(client: httpx.Client) -> None:
     for _ in range(5):
         assert client.post(INFER, json=body(), headers={"X-Model-Version": "v2"}).json()["model_version"] == "v2"
