@@ -77,6 +77,13 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _cause(exc: OSError | ValueError) -> str:
+    """What went wrong, without repeating the path the message names already."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror} ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def captured_native_stdout() -> contextlib.AbstractContextManager[list[str]]:
     """Capture what MNN's C++ code prints to fd 1 (it reports missing weight files only there),
     passing it on to stdout as well."""
@@ -121,9 +128,12 @@ class LoadedModel:
         how MNN runs it (default CPU, one thread); a backend that is missing here, or that cannot
         load the model, falls back to CPU. ``name`` (the version) names its compile cache file."""
         started = time.perf_counter()
-        if not path.is_file():
-            raise ModelLoadError(f"model file {str(path)!r} does not exist")
-        actual = file_sha256(path)
+        try:
+            if not path.is_file():
+                raise ModelLoadError(f"model file {str(path)!r} does not exist")
+            actual = file_sha256(path)
+        except (OSError, ValueError) as exc:  # unreadable (permissions, I/O), or a path no file can have
+            raise ModelLoadError(f"model file {str(path)!r} cannot be read: {_cause(exc)}") from None
         if sha256 is not None and actual != sha256:
             raise ModelLoadError(f"model file {str(path)!r} has sha256 {actual}, expected {sha256}")
         stem = f"{name or path.stem}-{actual[:12]}"
@@ -143,10 +153,19 @@ class LoadedModel:
     @classmethod
     def _load_on(cls, runtime: Runtime, path: Path, warmup_shapes: Mapping[str, Sequence[int]]) -> _Loaded:
         """Load ``path`` on ``runtime`` and warm it up, its compile cache read before and written
-        after (a failed load writes none)."""
-        runtime.set_cache()
+        after (a failed load writes none). An OSError or a ValueError on the way (the cache's path,
+        the temporary file MNN's output is read through) fails this version only: ModelLoadError."""
+        try:
+            runtime.set_cache()
+        except (OSError, ValueError) as exc:
+            runtime.drop_cache()
+            raise ModelLoadError(f"model file {str(path)!r}: its compile cache {runtime.info.cache_file!r} cannot "
+                                 f"be opened: {_cause(exc)}") from None
         try:
             loaded = cls._load_module(runtime.manager, path, warmup_shapes)
+        except (OSError, ValueError) as exc:
+            runtime.drop_cache()
+            raise ModelLoadError(f"model file {str(path)!r} cannot be loaded: {_cause(exc)}") from None
         except BaseException:
             runtime.drop_cache()
             raise

@@ -101,7 +101,11 @@ def local_file(spec: VersionSpec, base_dir: Path | None, download: bool = True,
     settings = settings or SourceSettings.from_env()
     target = cache_path(spec, settings)
     if target.is_file():
-        if file_sha256(target) == spec.sha256:
+        try:
+            cached = file_sha256(target)
+        except OSError as exc:
+            raise SourceError(f"{spec.uri}: the cached {str(target)!r} cannot be read: {exc.strerror or exc}") from None
+        if cached == spec.sha256:
             log.info("%s: using the cached %s", spec.uri, target)
             return target
         log.warning("%s: the cached %s does not have sha256 %s; downloading it again", spec.uri, target, spec.sha256)

@@ -8,7 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mnn_rollout.contract.config import EngineSpec, RuntimeConfig, parse_config
+from mnn_runtime.metrics import RuntimeMetrics
 from mnn_runtime.model import LoadedModel, ModelLoadError
+from mnn_runtime.registry import Registry
 
 
 def test_the_example_scorer_has_a_dynamic_batch_and_its_declared_signature(examples_dir: Path) -> None:
@@ -28,6 +31,46 @@ def test_v2_breaking_declares_its_wider_input(examples_dir: Path) -> None:
 def test_a_missing_file_is_reported_with_its_path(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"'.*nope\.mnn' does not exist"):
         LoadedModel.load(tmp_path / "nope.mnn")
+
+
+@pytest.fixture
+def unreadable(tmp_path: Path) -> Path:
+    """A model file whose reading fails with an OSError for any user, root included (the tests
+    run as root here, past any chmod): it is /proc/self/mem, which answers a read at offset 0 with
+    EIO."""
+    if not Path("/proc/self/mem").is_file():
+        pytest.skip("needs Linux's /proc/self/mem")
+    path = tmp_path / "unreadable.mnn"
+    path.symlink_to("/proc/self/mem")
+    return path
+
+
+def test_a_file_that_cannot_be_read_is_reported_with_its_path_and_the_cause(unreadable: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model file '.*unreadable\.mnn' cannot be read: Input/output error"):
+        LoadedModel.load(unreadable)
+
+
+def test_a_cache_dir_no_file_can_have_fails_that_version_with_the_reason(examples_dir: Path) -> None:
+    """The config refuses such a cacheDir; a spec that skipped its validation still fails only its version."""
+    spec = EngineSpec.model_construct(cache_dir="/tmp/bad\x00cache")
+    with pytest.raises(ModelLoadError, match=r"its compile cache '/tmp/bad\\x00cache/v1-.*' cannot be opened: "
+                                             r"ValueError: embedded null byte"):
+        LoadedModel.load(examples_dir / "v1.mnn", engine=spec, name="v1")
+
+
+def test_a_new_file_that_cannot_be_read_fails_its_version_only_and_the_old_file_keeps_serving(
+        model_dir: Path, unreadable: Path) -> None:
+    def config(uri: str, weights: dict[str, int]) -> RuntimeConfig:
+        return parse_config({"model": "scorer", "stable": "v1", "weights": weights,
+                             "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": uri}]})
+
+    registry = Registry(config("v2.mnn", {"v1": 90, "v2": 10}), model_dir, RuntimeMetrics("scorer"))
+    registry.apply(config(str(unreadable), {"v1": 100, "v2": 0}))  # a rollback that ships a file it cannot read
+    v2 = registry.snapshot.versions["v2"]
+    assert registry.snapshot.weights == {"v1": 100, "v2": 0}
+    assert v2.ready and v2.spec.uri == "v2.mnn" and "cannot be read: Input/output error" in (v2.reason or "")
+    started = Registry(config(str(unreadable), {"v1": 100, "v2": 0}), model_dir, RuntimeMetrics("scorer"))
+    assert started.snapshot.versions["v1"].ready and not started.snapshot.versions["v2"].ready
 
 
 def test_a_truncated_file_is_reported_not_a_crash(tmp_path: Path, examples_dir: Path) -> None:

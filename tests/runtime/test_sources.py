@@ -165,6 +165,19 @@ def test_a_damaged_cached_file_is_downloaded_again(files: ModelFiles, tmp_path: 
     assert path.read_bytes() == data and files.requests["/v1.mnn"] == 1
 
 
+def test_a_cached_file_that_cannot_be_read_fails_that_version_naming_it(files: ModelFiles, tmp_path: Path) -> None:
+    """/proc/self/mem answers a read at offset 0 with EIO, for any user (root reads past a chmod)."""
+    data = files.files["/v1.mnn"]
+    where = settings(tmp_path)
+    where.cache_dir.mkdir()
+    spec = VersionSpec(name="v1", uri=files.url("/v1.mnn"), sha256=sha(data))
+    cache_path(spec, where).symlink_to("/proc/self/mem")
+    with pytest.raises(SourceError) as info:
+        local_file(spec, None, settings=where)
+    assert info.value.reason == f"{spec.uri}: the cached {str(cache_path(spec, where))!r} cannot be read: " \
+                                "Input/output error"
+
+
 def test_a_worker_never_downloads(files: ModelFiles, tmp_path: Path) -> None:
     spec = VersionSpec(name="v1", uri=files.url("/v1.mnn"), sha256=sha(files.files["/v1.mnn"]))
     with pytest.raises(SourceError, match="is not in the cache .*the supervisor process downloads it"):
