@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,10 +27,13 @@ RoleCounts = Mapping[str, float | None]  # role (successes, trials; n, sum, squa
 
 
 def counts_of(metric: MetricSpec, raw: RoleCounts | None, since_step: bool) -> Counts | None:
-    """The ``Counts`` of one version from its per-role counts; None when a needed role has none.
+    """The ``Counts`` of one version from its per-role counts; None when a needed role has none, or
+    any is not finite.
     Counts since the step started come from ``increase()``, which extrapolates each series by a
     factor of its own: successes are clamped to the trials."""
     raw = raw or {}
+    if any(v is not None and not math.isfinite(v) for v in raw.values()):
+        return None  # an infinite or NaN count (a value too large for its square): no usable data
     if metric.kind == "rate":
         successes, trials = raw.get("successes"), raw.get("trials")
         if successes is None or trials is None:

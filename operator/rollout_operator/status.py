@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
@@ -159,8 +160,20 @@ class RolloutStatus:
             elif kind == "phase" and value is not None:
                 value = value.value
             if value is not None:  # absent, not null: the schema types every field
-                out[key] = value
+                out[key] = json_safe(value)
         return out
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every float that is not finite (a metric's +Inf, a NaN) made None: JSON has no
+    such numbers, and the API server refuses a body that writes them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def with_condition(st: RolloutStatus, type_: str, status: str, reason: str, message: str,

@@ -103,6 +103,11 @@ def parse_path(path: str) -> dict[str, Any] | None:
             'watch': watch_prefix}
 
 
+def _no_constant(name: str) -> Any:
+    """A real API server's JSON decoder (Go's) has no NaN or Infinity: a body that writes one is refused."""
+    raise ValueError(f"invalid character {name[0]!r} looking for beginning of value ({name} is not JSON)")
+
+
 def json_response(data: Any, status: int = 200) -> aiohttp.web.Response:
     return aiohttp.web.Response(body=json.dumps(data).encode(), status=status, content_type='application/json')
 
@@ -179,7 +184,7 @@ class Emulator(kmock.KubernetesEmulator):
                 raise ApiError.bad_request(f'invalid YAML body: {e}')
         elif body:
             try:
-                data = json.loads(text)
+                data = json.loads(text, parse_constant=_no_constant)
             except ValueError as e:
                 raise ApiError.bad_request(f'invalid JSON body: {e}')
         query = dict(raw.query)

@@ -140,6 +140,15 @@ def test_errors_are_status_objects_for_bad_bodies_unknown_resources_and_protobuf
     assert status == 400 and 'does not match the expected API version' in body['message']
 
 
+def test_a_json_body_with_nan_or_infinity_is_refused_as_go_refuses_it(api, ns):
+    for constant in (b'NaN', b'Infinity', b'-Infinity'):
+        raw = b'{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "nan"}, "data": {}, "x": ' + constant + b'}'
+        status, body = api.request('POST', CONFIGMAPS.format(ns=ns), raw)
+        assert status == 400 and 'is not JSON' in body['message'], (constant, body)
+    status, _ = api.request('POST', CONFIGMAPS.format(ns=ns), {'metadata': {'name': 'finite'}, 'data': {'x': '1'}})
+    assert status == 201  # the same body with a number is taken
+
+
 def test_lists_carry_kind_api_version_and_resource_version(api, ns):
     ok(api.request('POST', WIDGETS.format(ns=ns), widget('w')), 201)
     lst = ok(api.request('GET', WIDGETS.format(ns=ns)))

@@ -3,11 +3,14 @@ with the shadow metrics of a shadow step."""
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import pytest
 
 from rollout_operator.sequential import Counts, compare
+from rollout_operator.status import RolloutStatus
 from rollout_operator.strategy import AnalysisSpec
 from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Sample, ShadowSample, evaluate
 
@@ -104,6 +107,27 @@ def test_a_mean_reads_n_sum_and_squares() -> None:
     look = evaluate(spec(revenue), canary, stable, now=1.0)
     assert look.sequential["revenue"]["strata"][0]["canary"] == {"n": 2000.0, "sum": 2000.0, "squares": 4000.0}  # type: ignore[index]
     assert result(look, "revenue").verdict == FAIL  # 1.0 per request against 5.0
+
+
+def test_counts_that_are_not_finite_are_no_data_and_never_reach_the_status() -> None:
+    """A value too large for its square made a pod's sum of squares +Inf, and a delta of two of them
+    NaN: such counts are no data (the strata stay as they were, the look holds), and the status the
+    look gives is plain JSON (the API server refuses NaN and Infinity)."""
+    revenue = {"name": "revenue", "compare": "stable", "kind": "mean", "margin": 0.5}
+    good = {"revenue": {"strata": [{"step": 0, "canary": {"n": 200.0, "sum": 400.0, "squares": 900.0},
+                                    "stable": {"n": 200.0, "sum": 410.0, "squares": 950.0}}]}}
+    for bad in (math.inf, math.nan):
+        canary = Sample(requests=100, errors=0, counts={"revenue": {"n": 20.0, "sum": 40.0, "squares": bad}})
+        stable = Sample(requests=100, errors=0, counts={"revenue": {"n": 20.0, "sum": 41.0, "squares": 90.0}})
+        look = evaluate(spec(revenue), canary, stable, now=1.0, sequential=good)
+        assert look.sequential is not None and look.sequential["revenue"]["strata"] == good["revenue"]["strata"]
+        json.dumps(look.sequential, allow_nan=False)
+    latency = evaluate(spec({"name": "latency-p99", "max": 0.5}), Sample(requests=100, errors=0, latency={
+        "p99": math.inf}), sample(1, 10), now=1.0)
+    assert result(latency, "latency-p99").verdict == FAIL  # above the highest bucket: slower than any bound
+    written = RolloutStatus(analysis=latency.as_status(1), sequential={"x": {"estimate": math.nan}}).to_dict()
+    assert json.loads(json.dumps(written, allow_nan=False))["analysis"]["metrics"][1]["value"] is None
+    assert written["sequential"] == {"x": {"estimate": None}}
 
 
 # -- shadow steps ----------------------------------------------------------------------------------

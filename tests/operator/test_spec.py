@@ -155,6 +155,16 @@ def test_a_direct_custom_metric_by_series_name_is_accepted() -> None:
     assert (metric.metric, metric.labels, metric.per_request) == ("mnn_feedback_value_sum", {"kind": "click"}, True)
 
 
+@pytest.mark.parametrize(("metric", "field"), [
+    ({"name": "latency-p99", "max": float("nan")}, "max"), ({"name": "shadow-agreement", "min": float("inf")}, "min"),
+    ({"name": "conversion", "compare": "stable", "margin": float("-inf")}, "margin")])
+def test_a_threshold_that_is_not_a_finite_number_is_refused_naming_it(metric: dict[str, Any], field: str) -> None:
+    """YAML (a local spec, the demo) can write .nan and .inf, which JSON cannot: a NaN threshold
+    would fail every look, an infinite one pass every look."""
+    with pytest.raises(SpecError, match=rf"metrics\.0\.{field}: Input should be a finite number"):
+        parse_spec({**CANARY, "strategy": {"analysis": {"metrics": [metric]}}})
+
+
 GOOD_POD_FIELDS = {
     "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "1.5Gi"}},
     "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
