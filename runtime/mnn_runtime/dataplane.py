@@ -23,7 +23,7 @@ from .batching import Batcher, Grouper, batching_off_reason, timed_forward
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
 from mnn_rollout.contract.config import BatchingSpec
 from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
-from .feedback import FeedbackBook, new_id, parse_feedback
+from .feedback import MAX_ID_LENGTH, FeedbackBook, new_id, parse_feedback, version_in
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
 from .model import LoadedModel
 from .registry import OFFLOADED, Registry, Snapshot, VersionState
@@ -174,10 +174,13 @@ class DataPlane:
             else:
                 outputs = await batcher.infer(arrays)
             given = request.get("id")
-            if isinstance(given, str) and given:
-                self.feedback_book.remember(given, version)
-            else:  # every response carries an id; a made one names its version (see feedback.py)
+            made = version_in(given) if isinstance(given, str) else ""
+            if not given or made not in (None, version):
+                # Every response carries an id; a made one names its version (see feedback.py), so
+                # one that names another version is not echoed: feedback on it would count there.
                 request["id"] = new_id(version)
+            elif made is None and len(given) <= MAX_ID_LENGTH:  # longer: feedback can never name it
+                self.feedback_book.remember(given, version)
             if parsed is None:
                 payload, json_length = _response(model, version, request, state, outputs, wanted)
                 result = InferResult(200, payload, version, json_length)

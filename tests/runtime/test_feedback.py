@@ -3,13 +3,16 @@ answered (issue 14 item 2)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
-from mnn_runtime.feedback import EXPIRED, UNKNOWN, FeedbackBook, new_id, parse_feedback, version_in
+from mnn_runtime.feedback import EXPIRED, MAX_ID_LENGTH, UNKNOWN, FeedbackBook, new_id, parse_feedback, version_in
 from mnn_runtime.errors import BadRequest
+from mnn_runtime.server import build_runtime
 from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
@@ -106,6 +109,32 @@ def test_a_requests_own_id_is_echoed_and_counted_where_it_was_answered(model_dir
     r = feedback(server.url, {"id": "order-17", "value": 1})
     assert r.json() == {"counted": 1, "unmatched": 0}
     assert counted(server.url, version)[0] == 1
+
+
+def test_an_id_in_the_made_form_naming_another_version_is_replaced_by_one_naming_the_server(
+        model_dir: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    server: RuntimeServer = start_server(model_dir / "runtime.yaml")
+    with httpx.Client(base_url=server.url) as c:
+        other = c.post("/v2/models/scorer/versions/v1/infer", json=dict(BODY, id="0123456789abcdef.v2")).json()
+        same = c.post("/v2/models/scorer/versions/v1/infer", json=dict(BODY, id="0123456789abcdef.v1")).json()
+    assert other["model_version"] == "v1" and other["id"] != "0123456789abcdef.v2"
+    assert version_in(other["id"]) == "v1"  # feedback on it counts for the version that answered
+    assert same["id"] == "0123456789abcdef.v1"
+    assert feedback(server.url, {"id": other["id"], "value": 1}).json() == {"counted": 1, "unmatched": 0}
+    assert counted(server.url, "v1")[0] == 1 and counted(server.url, "v2")[0] == 0
+
+
+def test_an_own_id_longer_than_feedback_can_name_is_echoed_but_not_remembered(examples_dir: Path) -> None:
+    runtime = build_runtime(examples_dir / "runtime.yaml")
+    try:
+        dataplane = runtime.dataplane
+        for rid in ("r" * MAX_ID_LENGTH, "r" * (MAX_ID_LENGTH + 1)):
+            result = asyncio.run(dataplane.infer("scorer", "v1", orjson.dumps(dict(BODY, id=rid)), {}))
+            assert result.status == 200 and orjson.loads(result.body)["id"] == rid
+        assert dataplane.feedback_book.version("r" * MAX_ID_LENGTH) == ("v1", None)
+        assert dataplane.feedback_book.version("r" * (MAX_ID_LENGTH + 1)) == (None, UNKNOWN)
+    finally:
+        runtime.close()
 
 
 def test_a_feedback_token_is_required_when_the_runtime_has_one(model_dir: Path, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 from mnn_rollout.local.net import wait_for
 from mnn_runtime import grpc_h2
 from mnn_runtime.dataplane import InferResult
+from mnn_runtime.feedback import version_in
 from mnn_runtime.grpc_server import GrpcThread, infer_response, serve_with_uvicorn
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2 as pb
 from mnn_runtime.grpc_v2 import grpc_predict_v2_pb2_grpc as pb_grpc
@@ -249,6 +250,14 @@ def test_a_blank_user_key_in_metadata_is_no_key_and_a_float_user_id_is_refused(s
                                                  parameters={"user_id": 4242.0}))
     assert err.status() == "StatusCode.INVALID_ARGUMENT"
     assert err.message() == "parameters.user_id: 4242.0 is not a user key; valid: a string or an integer"
+
+
+def test_a_request_id_in_the_made_form_naming_another_version_is_replaced(served: Served) -> None:
+    inp = triton_input(features(1))
+    other = served.client.infer("scorer", [inp], model_version="v1", request_id="0123456789abcdef.v2")
+    assert other.get_response().id != "0123456789abcdef.v2" and version_in(other.get_response().id) == "v1"
+    same = served.client.infer("scorer", [inp], model_version="v1", request_id="0123456789abcdef.v1")
+    assert same.get_response().id == "0123456789abcdef.v1"
 
 
 def test_wrong_shape_is_invalid_argument_with_the_rest_message(served: Served) -> None:
