@@ -34,10 +34,39 @@ BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "d
     ({"threads": 64}, "versions.0.engine.threads: Input should be less than or equal to 32 (got 64)"),
     ({"cacheDir": "cache"}, "versions.0.engine.cacheDir: cacheDir 'cache' is not an absolute directory"),
     ({"gpu": True}, "versions.0.engine.gpu: Extra inputs are not permitted"),
+    ({"cacheDir": "/tmp/c\x00x"}, r"versions.0.engine.cacheDir: cacheDir '/tmp/c\x00x' contains the control "
+                                  r"character '\x00'"),
+    ({"cacheDir": "/var/cache\n/x"}, r"versions.0.engine.cacheDir: cacheDir '/var/cache\n/x' contains the control "
+                                     r"character '\n'"),
+    ({"cacheDir": "/."}, "versions.0.engine.cacheDir: cacheDir '/.' is not an absolute directory"),
+    ({"cacheDir": "/usr"}, "versions.0.engine.cacheDir: cacheDir '/usr' is under /usr, a system directory"),
+    ({"cacheDir": "/proc/self"}, "versions.0.engine.cacheDir: cacheDir '/proc/self' is under /proc, a system "),
+    ({"cacheDir": "//etc/mnn"}, "versions.0.engine.cacheDir: cacheDir '//etc/mnn' is under /etc, a system "),
+    ({"cacheDir": "/./lib64/"}, "versions.0.engine.cacheDir: cacheDir '/./lib64/' is under /lib64, a system "),
 ])
 def test_bad_engine_settings_are_refused_naming_field_and_value(engine_settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config({"model": "m", "versions": [{"name": "v1", "uri": "v1.mnn", "engine": engine_settings}]})
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("cache_dir", ["/var/cache/mnn", "/tmp/mnn", "/usrdata/cache", "/cache/dev", "/data/etc"])
+def test_a_cache_dir_beside_the_system_directories_is_accepted(cache_dir: str) -> None:
+    config = parse_config({"model": "m", "versions": [{"name": "v1", "uri": "v1.mnn",
+                                                      "engine": {"cacheDir": cache_dir}}]})
+    assert config.versions[0].engine is not None and config.versions[0].engine.cache_dir == cache_dir
+
+
+@pytest.mark.parametrize(("engine_settings", "message"), [
+    ({"cacheDir": "/tmp/x\x00y"}, r"spec.versions.0.engine.cacheDir: cacheDir '/tmp/x\x00y' contains the control"),
+    ({"cacheDir": "/sys/mnn"}, "spec.versions.0.engine.cacheDir: cacheDir '/sys/mnn' is under /sys, a system"),
+])
+def test_the_operator_refuses_the_same_cache_dirs_naming_the_field(engine_settings: dict[str, Any],
+                                                                   message: str) -> None:
+    from rollout_operator.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn", "engine": engine_settings}]})
     assert message in str(err.value)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlparse
@@ -48,6 +49,8 @@ MODEL_CACHE_PRUNE_ENV = "MNN_ROLLOUT_MODEL_CACHE_PRUNE"
 DOWNLOAD_TIMEOUT_ENV = "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS"  # longest one download may take
 DOWNLOAD_MAX_BYTES_ENV = "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES"  # largest file accepted
 DOWNLOAD_TIMEOUT_SECONDS = 600
+# Top-level directories a compile cache may not be in: the operator mounts an emptyDir on cacheDir.
+SYSTEM_DIRS = frozenset({"usr", "etc", "proc", "sys", "dev", "bin", "sbin", "lib", "lib64", "boot"})
 DOWNLOAD_MAX_BYTES = 4 * 1024**3
 
 
@@ -156,9 +159,19 @@ class EngineSpec(_Strict):
     @field_validator("cache_dir")
     @classmethod
     def _cache_dir_is_absolute(cls, value: str | None) -> str | None:
-        if value is not None and (not value.startswith("/") or value.rstrip("/") == "" or ".." in value.split("/")):
+        if value is None:
+            return value
+        control = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+        if control is not None:
+            raise ValueError(f"cacheDir {value!r} contains the control character {control!r}; valid: a directory "
+                             "name without control characters, e.g. /var/cache/mnn")
+        parts = [part for part in value.split("/") if part not in ("", ".")]
+        if not value.startswith("/") or not parts or ".." in parts:
             raise ValueError(f"cacheDir {value!r} is not an absolute directory; valid: e.g. /var/cache/mnn "
                              "(not /, no '..')")
+        if parts[0] in SYSTEM_DIRS:
+            raise ValueError(f"cacheDir {value!r} is under /{parts[0]}, a system directory (an emptyDir mounted "
+                             "there would hide the container's own files); valid: e.g. /var/cache/mnn")
         return value
 
 
