@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -211,9 +212,38 @@ def current_namespace() -> str:
         return "default"
 
 
+def namespace_after_command(argv: list[str]) -> list[str]:
+    """``-n NS COMMAND ...`` as kubectl users type it, as ``COMMAND -n NS ...``: the namespace
+    options given before the subcommand moved after it (every control command takes them)."""
+    moved: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] in ("-n", "--namespace") and i + 1 < len(argv):
+            moved += argv[i:i + 2]
+            i += 2
+        elif argv[i].startswith("--namespace=") or (argv[i].startswith("-n") and len(argv[i]) > 2):
+            moved.append(argv[i])
+            i += 1
+        else:
+            return argv  # another option first: left for the parser to judge
+    if not moved or i >= len(argv):
+        return argv
+    return [argv[i], *moved, *argv[i + 1:]]
+
+
 def run(args: argparse.Namespace) -> int:
-    kube = _client()
+    """One control command; exit 1 on an error (no Kubernetes configuration, the object not found,
+    an API error), each told in one ``error:`` line."""
+    from kubernetes.config import ConfigException
+
+    # the client's retries are logged at INFO for the operator; a command's output is its answer
+    logging.getLogger("rollout_operator").setLevel(logging.WARNING)
     namespace = getattr(args, "namespace", None) or current_namespace()
+    try:
+        kube = _client()
+    except (ConfigException, OSError) as exc:
+        print(f"error: no Kubernetes configuration (KUBECONFIG or ~/.kube/config): {exc}", file=sys.stderr)
+        return 1
     try:
         if args.ctl == "list":
             return list_all(kube, None if args.all_namespaces else namespace)
