@@ -10,7 +10,8 @@ into a cache directory before they are loaded, and checked against the version's
   version's file has that digest.
 - Bounded: one download may take at most ``timeout`` seconds from the first byte asked to the last
   received, and at most ``max_bytes`` bytes (the Content-Length or the object size is checked
-  first, the bytes received as they come).
+  first, the bytes received as they come). HTTPS asks for the file unencoded and refuses a
+  compressed answer: a small one could grow past the limit in memory before it was counted.
 - Every failure is a ``SourceError`` (a ``ModelLoadError``): the version fails with the reason,
   the others keep serving, a serving version keeps its file.
 - Only the process that loads downloads: the workers of ``serve --workers N`` find the file in the
@@ -227,13 +228,19 @@ def _http_chunks(uri: str, settings: SourceSettings, deadline: float) -> Iterato
     try:
         with httpx.Client(timeout=timeout, follow_redirects=True,
                           event_hooks={"request": [refuse_plain_http]}) as client:
-            with client.stream("GET", uri) as response:
+            # identity: the file as it is, so the limit counts the bytes received (httpx asks for gzip by
+            # default and decodes it: a small answer could grow past the limit in memory before it is checked)
+            with client.stream("GET", uri, headers={"Accept-Encoding": "identity"}) as response:
                 if response.status_code != 200:
                     raise SourceError(f"{uri}: HTTP {response.status_code} {response.reason_phrase}")
+                encoding = response.headers.get("content-encoding", "").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise SourceError(f"{uri}: answered with Content-Encoding {encoding!r} although asked for the file "
+                                      "as it is (Accept-Encoding: identity); valid: the file unencoded")
                 length = response.headers.get("content-length", "")
                 if length.isdigit() and int(length) > settings.max_bytes:
                     raise SourceError(f"{uri}: {length} bytes, larger than the limit of {settings.max_bytes} bytes")
-                yield from response.iter_bytes()  # as it arrives: the deadline is checked per read
+                yield from response.iter_raw()  # as it arrives, never decoded: the deadline is checked per read
     except httpx.TimeoutException as exc:
         raise SourceError(f"{uri}: timed out ({type(exc).__name__}, no answer for "
                           f"{timeout.read:g} s)") from None

@@ -4,6 +4,7 @@ local S3-compatible server (moto's server mode), never the outside network."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import threading
 import time
@@ -35,7 +36,8 @@ def sha(data: bytes) -> str:
 class ModelFiles(ThreadingHTTPServer):
     """Model files over plain HTTP on 127.0.0.1, counting the requests per path. ``stall`` paths
     answer nothing until the server closes; ``/moved/P`` redirects to ``/P``; ``/ftp/P`` redirects
-    to ftp://; ``/nolength/P`` sends ``/P`` without a Content-Length."""
+    to ftp://; ``/nolength/P`` sends ``/P`` without a Content-Length; ``/gzip/P`` sends ``/P``
+    gzip-encoded whatever the request accepts. ``encodings``: each request's Accept-Encoding."""
 
     daemon_threads = True
 
@@ -43,6 +45,7 @@ class ModelFiles(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.files = dict(files)
         self.requests: Counter[str] = Counter()
+        self.encodings: list[str | None] = []
         self.stall: set[str] = set()
         self.closing = threading.Event()
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -62,6 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the http.server name
         files = self.server
         files.requests[self.path] += 1
+        files.encodings.append(self.headers.get("Accept-Encoding"))
         if self.path in files.stall:
             files.closing.wait(30)
             return
@@ -71,12 +75,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Location", target + self.path[len(prefix):])
                 self.end_headers()
                 return
-        plain = self.path.removeprefix("/nolength")
+        plain = self.path.removeprefix("/nolength").removeprefix("/gzip")
         body = files.files.get(plain)
         if body is None:
             self.send_error(404)
             return
         self.send_response(200)
+        if self.path.startswith("/gzip/"):
+            body = gzip.compress(body)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
         if plain == self.path:
             self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -144,6 +152,25 @@ def test_http_errors_timeouts_oversize_files_and_insecure_redirects_fail_with_th
     assert reason in info.value.reason and spec.uri in info.value.reason, info.value.reason
     assert time.monotonic() - started < 10
     assert [p.name for p in where.cache_dir.iterdir()] == []
+
+
+def test_the_file_is_asked_for_unencoded_and_a_compressed_answer_is_refused_before_it_is_decoded(
+        files: ModelFiles, tmp_path: Path) -> None:
+    """A gzip answer is refused whatever its size: decoded, 20 KB on the wire grow to 20 MB in memory
+    before a limit counting decoded bytes sees them."""
+    files.files["/zeros.mnn"] = bytes(20_000_000)
+    where = settings(tmp_path, max_bytes=1_000_000)
+    data = files.files["/v1.mnn"]
+    assert local_file(VersionSpec(name="v1", uri=files.url("/v1.mnn"), sha256=sha(data)), None, settings=where)
+    for path in ("/gzip/zeros.mnn", "/gzip/v1.mnn"):
+        spec = VersionSpec(name="v1", uri=files.url(path), sha256=sha(files.files[path.removeprefix("/gzip")]))
+        with pytest.raises(SourceError) as info:
+            local_file(spec, None, settings=where)
+        assert info.value.reason == (f"{spec.uri}: answered with Content-Encoding 'gzip' although asked for the file "
+                                     "as it is (Accept-Encoding: identity); valid: the file unencoded")
+    assert files.encodings == ["identity"] * 3
+    assert [p.name for p in where.cache_dir.iterdir()] == [cache_path(VersionSpec(
+        name="v1", uri=files.url("/v1.mnn"), sha256=sha(data)), where).name]
 
 
 def test_redirects_are_followed_to_https_or_loopback_http_only(files: ModelFiles, tmp_path: Path) -> None:
