@@ -26,12 +26,14 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "operator") -> None
     p.add_argument("--peering-lifetime", type=int, default=int(env("MNN_ROLLOUT_PEERING_LIFETIME", "15")),
                    help="seconds a replica's peering keep-alive is valid: how long a standby waits after the "
                         "active replica dies without notice (default 15)")
-    p.add_argument("--metrics-host", default=env("MNN_ROLLOUT_METRICS_HOST", "0.0.0.0"))
+    p.add_argument("--metrics-host", default=env("MNN_ROLLOUT_METRICS_HOST", "127.0.0.1"),
+                   help="address of the operator's /metrics (default 127.0.0.1; the chart passes 0.0.0.0)")
     p.add_argument("--metrics-port", type=int, default=int(env("MNN_ROLLOUT_METRICS_PORT", "8090")),
                    help="port of the operator's /metrics (0 disables)")
     p.add_argument("--liveness", default=env("MNN_ROLLOUT_LIVENESS", ""),
                    help="kopf liveness endpoint, e.g. http://0.0.0.0:8091/healthz")
-    p.add_argument("--webhook-host", default=env("MNN_ROLLOUT_WEBHOOK_HOST", "0.0.0.0"))
+    p.add_argument("--webhook-host", default=env("MNN_ROLLOUT_WEBHOOK_HOST", "127.0.0.1"),
+                   help="address of the Alertmanager webhook (default 127.0.0.1; the chart passes 0.0.0.0)")
     p.add_argument("--webhook-port", type=int, default=int(env("MNN_ROLLOUT_WEBHOOK_PORT", "8092")),
                    help="port of the Alertmanager webhook POST /alerts (0 disables)")
     p.add_argument("--webhook-token-file", default=env("MNN_ROLLOUT_WEBHOOK_TOKEN_FILE", ""),

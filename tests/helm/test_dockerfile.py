@@ -241,6 +241,20 @@ def test_every_flag_the_chart_passes_is_accepted_by_the_operator(values: dict[st
         assert parsed.webhook_token_file.startswith("/etc/mnn-rollout/webhook/")
 
 
+def test_the_operator_listens_on_loopback_unless_told_and_the_chart_tells_it_to_listen_on_the_pod_ip(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_operator.runner import add_arguments
+
+    for name in ("MNN_ROLLOUT_METRICS_HOST", "MNN_ROLLOUT_WEBHOOK_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.metrics_host, defaults.webhook_host) == ("127.0.0.1", "127.0.0.1")  # like serve's --host
+    chart = parser.parse_args(render({}).operator_container["args"][1:])  # Prometheus and Alertmanager reach it
+    assert (chart.metrics_host, chart.webhook_host) == ("0.0.0.0", "0.0.0.0")
+
+
 def test_the_runtime_pods_command_is_accepted_by_serve() -> None:
     from rollout_operator import children
     from rollout_operator.spec import parse_spec
