@@ -336,3 +336,14 @@ def test_notes_tell_the_next_steps() -> None:
     assert "kubectl mnn-rollout status scorer -n default --watch" in notes
     assert "mnn-rollout-webhook.mnn-rollout.svc:8092/alerts" in notes
     assert "get secret mnn-rollout-webhook-token" in notes
+
+
+def test_notes_tell_template_based_deploys_to_set_the_webhook_token_when_the_chart_generates_it() -> None:
+    """Under `helm template` (Argo CD) `lookup` finds nothing: a generated token changes every render."""
+    hint = "set webhook.existingSecret (or webhook.token) instead"
+    assert hint in " ".join(render().notes.split())
+    assert hint not in " ".join(render({"webhook": {"existingSecret": "alertmanager-token"}}).notes.split())
+    assert hint not in " ".join(render({"webhook": {"token": "s3cret-from-values"}}).notes.split())
+    assert hint not in " ".join(render({"webhook": {"enabled": False}}).notes.split())
+    readme = " ".join((CHART / "README.md").read_text().split())
+    assert "must set `webhook.existingSecret`" in readme and "runtime pods default to the chart's `image.*`" in readme
