@@ -2,8 +2,8 @@
 the A/B experiment one of whose challengers it names).
 
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
-``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The webhook only marks the object (the
-``mnnrollout.io/alert`` annotation, ``alertname@startsAt@instance@canary``, or ``@v2,v3``: an
+``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The
+webhook only marks the object (the ``mnnrollout.io/alert`` annotation, ``alertname@startsAt@instance@canary``, or ``@v2,v3``: an
 experiment's challengers; instance: the hash of the alert's labels, as one rule fires an alert per
 label set; one mark per alert firing, ``;``-separated) while the alert fires, and
 removes that alert's mark when Alertmanager reports it resolved (another alert still firing keeps
@@ -200,7 +200,8 @@ def _remark(kube: KubeClient, md: dict[str, Any], change: Callable[[list[str]], 
                         f"being written", "Conflict")
 
 
-def marked_by(kube: KubeClient, prefix: str, namespace: str | None, namespaces: list[str] | None) -> list[dict[str, Any]]:
+def marked_by(kube: KubeClient, prefix: str, namespace: str | None,
+              namespaces: list[str] | None) -> list[dict[str, Any]]:
     """ModelDeployments holding a mark that starts with ``prefix`` (one alert, any canary)."""
     scope = [namespace] if namespace else namespaces
     if namespace and namespaces and namespace not in namespaces:

@@ -26,9 +26,11 @@ PEERING_KINDS = {"KopfPeering", "ClusterKopfPeering"}
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
 _META = {"type": "object", "required": ["name", "namespace"],
          "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _LABELS}}
-_SELECTOR = {"type": "object", "properties": {"matchLabels": {**_LABELS, "minProperties": 1}}, "required": ["matchLabels"]}
+_SELECTOR = {"type": "object", "properties": {"matchLabels": {**_LABELS, "minProperties": 1}},
+             "required": ["matchLabels"]}
 _NS_SELECTOR = {"type": "object", "minProperties": 1,
-                "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}}
+                "properties": {"any": {"type": "boolean"},
+                               "matchNames": {"type": "array", "items": {"type": "string"}}}}
 _DURATION = {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}
 _ENDPOINT = {"type": "object", "required": ["port"],
              "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": _DURATION}}
@@ -284,7 +286,8 @@ def test_schema_accepts_the_defaults_and_the_non_default_values() -> None:
 def test_crd_copies_equal_the_sources_byte_for_byte() -> None:
     assert (CHART / "crds/modeldeployment.yaml").read_bytes() == (ROOT / "crds/modeldeployment.yaml").read_bytes()
     assert (CHART / "crds/kopf-peerings.yaml").read_bytes() == (ROOT / "testbed/k8s/peering-crd.yaml").read_bytes()
-    assert (CHART / "files/prometheus-rules.yaml").read_bytes() == (ROOT / "examples/prometheus-rules.yaml").read_bytes()
+    rules = (CHART / "files/prometheus-rules.yaml").read_bytes()
+    assert rules == (ROOT / "examples/prometheus-rules.yaml").read_bytes()
     names = sorted(c["metadata"]["name"] for c in render().crds)
     assert names == ["clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "modeldeployments.mnnrollout.io"]
 
