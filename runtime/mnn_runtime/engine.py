@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,12 +123,34 @@ def reserve_threads(threads: int) -> int:
         return min(threads, _pool_threads)
 
 
+# A private copy of a compile cache lives from the start of a load to the end of its warm-up; one
+# older than this was left by a process killed meanwhile (removing a live one early would cost at
+# most that load's cache write: ``close`` logs it).
+STALE_CACHE_COPY_SECONDS = 3600.0
+
+
+def remove_stale(folder: Path, pattern: str, seconds: float) -> None:
+    """Remove the files of ``folder`` matching ``pattern`` that were not written for ``seconds``:
+    temporary files a killed writer left behind (a live writer's is younger, so writers working at
+    once never remove each other's). Failures are ignored: the next writer tries again."""
+    oldest = time.time() - seconds
+    for path in folder.glob(pattern):
+        try:
+            if path.stat().st_mtime < oldest:
+                path.unlink()
+        except OSError:
+            pass
+
+
 class CompileCache:
     """A version's compile cache file (GPU kernels and tuning; CPU writes nothing), handed to MNN
     before the load and written after the warm-up. MNN writes a private copy that then replaces
-    the file, so workers writing at once never mix their bytes. A corrupt or unwritable cache
+    the file, so workers writing at once never mix their bytes; copies a killed process left
+    behind are removed once stale (``STALE_CACHE_COPY_SECONDS``). A corrupt or unwritable cache
     costs only the cache: MNN resets one it cannot use, and a directory it cannot write to is
     only read."""
+
+    COPY = "*.cache.????????.tmp"  # the private copies mkstemp names (8 random characters)
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -140,6 +163,7 @@ class CompileCache:
         target = self.path
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.path.parent, self.COPY, STALE_CACHE_COPY_SECONDS)
             fd, name = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
             os.close(fd)
             private = Path(name)

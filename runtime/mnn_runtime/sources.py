@@ -46,6 +46,7 @@ from urllib.parse import urlparse
 from mnn_rollout.contract.config import (DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_BYTES_ENV,
                                          DOWNLOAD_TIMEOUT_ENV, DOWNLOAD_TIMEOUT_SECONDS, MODEL_CACHE_ENV,
                                          MODEL_CACHE_PRUNE_ENV, VersionSpec, is_loopback_host)
+from .engine import remove_stale
 from .model import ModelLoadError, file_sha256
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def fetch(uri: str, sha256: str, target: Path, settings: SourceSettings) -> int:
     """Download ``uri`` to ``target`` through a temporary file, keeping it only when its digest is
     ``sha256``; returns its size. Raises SourceError."""
     deadline = time.monotonic() + settings.timeout
-    _remove_stale_parts(target.parent, settings.timeout)
+    remove_stale(target.parent, ".*.part", settings.timeout + 60)  # left by a killed download (none runs longer)
     try:
         fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{sha256[:16]}-", suffix=".part")
     except OSError as exc:
@@ -196,17 +197,6 @@ def fetch(uri: str, sha256: str, target: Path, settings: SourceSettings) -> int:
     finally:
         if os.path.exists(name):
             os.unlink(name)
-
-
-def _remove_stale_parts(folder: Path, timeout: float) -> None:
-    """Temporary files a killed download left behind (no download runs longer than ``timeout``)."""
-    oldest = time.time() - timeout - 60
-    for part in folder.glob(".*.part"):
-        try:
-            if part.stat().st_mtime < oldest:
-                part.unlink()
-        except OSError:
-            pass
 
 
 def _chunks(uri: str, settings: SourceSettings, deadline: float) -> Iterator[bytes]:

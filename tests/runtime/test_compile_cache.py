@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,30 @@ def test_what_mnn_compiled_replaces_the_cache_whole_and_nothing_is_left_behind(t
     cache.open(again)
     cache.close(again)
     assert again.read == b"kernels" and final.read_bytes() == b"kernels" and sorted(tmp_path.iterdir()) == [final]
+
+
+def test_copies_a_killed_load_left_behind_are_removed_and_a_live_load_keeps_its_own(
+        examples_dir: Path, tmp_path: Path) -> None:
+    """A load killed between open and close leaves its private copy; the next load in the directory
+    removes those not written for an hour, never the younger copy of a load still running."""
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    final = cache_file(directory, examples_dir / "v1.mnn")
+    final.write_bytes(b"kernels")
+    old = time.time() - engine.STALE_CACHE_COPY_SECONDS - 60
+    stale = [directory / f"{final.name}.k1ll3d_0.tmp", directory / "v0-123456789abc-OpenCL.cache.abcd1234.tmp"]
+    others = [directory / "notes.tmp", directory / "v0.cache.tmp"]  # not names a cache's private copy has
+    for path in stale + others:
+        path.write_bytes(b"half written")
+        os.utime(path, (old, old))
+    running = FakeCompiler(b"newer kernels")  # another worker, loading meanwhile
+    live = engine.CompileCache(final)
+    live.open(running)
+    LoadedModel.load(examples_dir / "v1.mnn", engine=EngineSpec(cacheDir=str(directory)), name="v1")
+    assert running.path is not None and Path(running.path).exists()
+    assert sorted(directory.iterdir()) == sorted([final, Path(running.path), *others])
+    live.close(running)
+    assert final.read_bytes() == b"newer kernels" and sorted(directory.iterdir()) == sorted([final, *others])
 
 
 def test_a_file_that_fails_to_load_leaves_no_cache_behind(tmp_path: Path) -> None:
