@@ -149,16 +149,27 @@ class Registry:
             return future
 
     def reload_now(self, names: Iterable[str]) -> list[str]:
-        """Load the named offloaded versions again here and now; returns those that loaded."""
+        """Load the named offloaded versions again here and now; returns those that loaded. The
+        load runs outside ``_apply_lock`` (a worker applies configs and offloads on its event loop:
+        it must never wait for a load); the lock is taken for the swap alone, which is skipped when
+        meanwhile the version was removed, loaded, or given another file."""
         loaded = []
         for name in names:
+            old = self.snapshot.versions.get(name)
+            if old is None or old.state != OFFLOADED:
+                continue
+            state = self._load(old.spec, None)
             with self._apply_lock:
                 snap = self.snapshot
-                old = snap.versions.get(name)
-                if old is None or old.state != OFFLOADED:
+                now = snap.versions.get(name)
+                # Still unloaded, or (in a worker) given weight meanwhile and listed pending the
+                # supervisor's load of this same file: it serves from this copy.
+                if (now is None or not same_file(now.spec, old.spec) or now.model is not None
+                        or not (now.state == OFFLOADED or (now.state == PENDING and state.ready))):
                     continue
-                state = self._load(old.spec, None)
-                self.snapshot = dataclasses.replace(snap, versions={**snap.versions, name: state})
+                versions = {**snap.versions, name: dataclasses.replace(state, spec=now.spec)}
+                table = _routed(snap.config, versions, snap.weights, snap.base or snap.table)
+                self.snapshot = dataclasses.replace(snap, versions=versions, table=table)
                 self.metrics.set_version_state(name, snap.weights.get(name, 0), state.ready,
                                                state.model.load_seconds if state.model else None, state.memory_bytes)
             if state.ready:
@@ -202,11 +213,7 @@ class Registry:
                 versions[spec.name] = self._load(spec, old)
         current = getattr(self, "snapshot", None)  # None while the first snapshot is built
         base = next_table(config, current.base if current is not None else None)
-        table = base
-        unavailable = {name for name, v in versions.items() if not v.ready}
-        fallback = self._fallback(config, versions, weights)
-        if unavailable and fallback is not None:
-            table = table.without(unavailable, fallback)
+        table = _routed(config, versions, weights, base)
         for name, state in versions.items():
             self.metrics.set_version_state(
                 name, weights[name], state.ready, state.model.load_seconds if state.model else None,
@@ -262,10 +269,15 @@ class Registry:
                 log.info("version %s in this worker: %s", name, model.engine.as_parameters())
             self.snapshot = dataclasses.replace(snap, versions=versions)
 
-    @staticmethod
-    def _fallback(config: RuntimeConfig, versions: dict[str, VersionState], weights: dict[str, int]) -> str | None:
-        """Who serves the buckets of a version that cannot: stable, else the heaviest ready one."""
-        if versions[config.stable_version].ready:
-            return config.stable_version
-        ready = [name for name, v in versions.items() if v.ready]
-        return max(ready, key=lambda n: weights[n]) if ready else None
+
+
+def _routed(config: RuntimeConfig, versions: dict[str, VersionState], weights: dict[str, int],
+            base: RoutingTable) -> RoutingTable:
+    """What requests are routed by: ``base`` with the buckets of versions that cannot serve given
+    to the fallback (stable, else the heaviest ready version)."""
+    unavailable = {name for name, v in versions.items() if not v.ready}
+    ready = [name for name, v in versions.items() if v.ready]
+    if not unavailable or not ready:
+        return base
+    fallback = config.stable_version if versions[config.stable_version].ready else max(ready, key=lambda n: weights[n])
+    return base.without(unavailable, fallback)

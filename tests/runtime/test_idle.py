@@ -3,14 +3,19 @@ on their next pinned request (which waits for the load) or before a config gives
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from mnn_rollout.contract.config import RuntimeConfig, VersionSpec, parse_config_text
 from mnn_rollout.local.net import wait_for, write_atomic
+from mnn_runtime.metrics import RuntimeMetrics
+from mnn_runtime.registry import PENDING, Registry, VersionState
 from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
@@ -111,3 +116,45 @@ def test_an_offloaded_version_is_loaded_before_it_gains_weight(large_dir: Path, 
         assert versions(url)["large"]["state"] == "ready"
     finally:
         server.stop()
+
+
+def test_a_version_loading_again_never_holds_up_a_config_or_an_offload(examples_dir: Path) -> None:
+    """A worker applies configs and offloads on its event loop: they must not wait for a version
+    that a pinned request is loading again, and the load still lands (served, if given weight meanwhile)."""
+    def config(v2: int) -> RuntimeConfig:
+        return parse_config_text(yaml.safe_dump({
+            "model": "scorer", "stable": "v1", "weights": {"v1": 100 - v2, "v2": v2},
+            "versions": [{"name": v, "uri": str(examples_dir / f"{v}.mnn")} for v in ("v1", "v2")]}))
+
+    registry = Registry(config(0), examples_dir, RuntimeMetrics("scorer"))
+    registry.load_new = False  # as in a worker of serve --workers
+    assert registry.offload(["v2"], "idle") == ["v2"]
+    loading, load = threading.Event(), registry._load
+
+    def slow_load(spec: VersionSpec, old: VersionState | None) -> VersionState:
+        loading.set()
+        time.sleep(1.0)
+        return load(spec, old)
+
+    registry._load = slow_load  # type: ignore[method-assign]
+
+    def reload_meanwhile(change: Callable[[], object]) -> float:
+        """Load v2 again on a thread (as for a pinned request) and, while it loads, ``change``:
+        the seconds ``change`` took."""
+        loading.clear()
+        reload = threading.Thread(target=registry.reload_now, args=(["v2"],))
+        reload.start()
+        assert loading.wait(10)
+        started = time.monotonic()
+        change()
+        took = time.monotonic() - started
+        reload.join(10)
+        return took
+
+    assert reload_meanwhile(lambda: (registry.apply(config(0)), registry.offload(["v2"], "idle"))) < 0.3
+    assert registry.snapshot.versions["v2"].state == "ready"  # loaded all the same
+    # Given weight while it loads again: the worker lists it pending, then serves it from this load.
+    assert registry.offload(["v2"], "idle") == ["v2"]
+    assert reload_meanwhile(lambda: registry.apply(config(30))) < 0.3
+    snap = registry.snapshot
+    assert snap.versions["v2"].state == "ready" and snap.table.owners.count("v2") == 3000
