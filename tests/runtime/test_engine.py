@@ -32,6 +32,9 @@ BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "d
     ({"memory": "tiny"}, "versions.0.engine.memory: Input should be 'normal', 'high' or 'low' (got 'tiny')"),
     ({"threads": 0}, "versions.0.engine.threads: Input should be greater than or equal to 1 (got 0)"),
     ({"threads": 64}, "versions.0.engine.threads: Input should be less than or equal to 32 (got 64)"),
+    ({"threads": True}, "versions.0.engine.threads: Input should be a valid integer (got True)"),  # not read as 1
+    ({"threads": 2.0}, "versions.0.engine.threads: Input should be a valid integer (got 2.0)"),
+    ({"threads": "4"}, "versions.0.engine.threads: Input should be a valid integer (got '4')"),
     ({"cacheDir": "cache"}, "versions.0.engine.cacheDir: cacheDir 'cache' is not an absolute directory"),
     ({"gpu": True}, "versions.0.engine.gpu: Extra inputs are not permitted"),
     ({"cacheDir": "/tmp/c\x00x"}, r"versions.0.engine.cacheDir: cacheDir '/tmp/c\x00x' contains the control "
@@ -60,8 +63,10 @@ def test_a_cache_dir_beside_the_system_directories_is_accepted(cache_dir: str) -
 @pytest.mark.parametrize(("engine_settings", "message"), [
     ({"cacheDir": "/tmp/x\x00y"}, r"spec.versions.0.engine.cacheDir: cacheDir '/tmp/x\x00y' contains the control"),
     ({"cacheDir": "/sys/mnn"}, "spec.versions.0.engine.cacheDir: cacheDir '/sys/mnn' is under /sys, a system"),
+    ({"threads": "4"}, "spec.versions.0.engine.threads: Input should be a valid integer (got '4')"),
+    ({"threads": True}, "spec.versions.0.engine.threads: Input should be a valid integer (got True)"),
 ])
-def test_the_operator_refuses_the_same_cache_dirs_naming_the_field(engine_settings: dict[str, Any],
+def test_the_operator_refuses_the_same_engine_settings_naming_the_field(engine_settings: dict[str, Any],
                                                                    message: str) -> None:
     from rollout_operator.spec import SpecError, parse_spec
 

@@ -148,7 +148,8 @@ class EngineSpec(_Strict):
     )
     power: Literal["normal", "high", "low"] = Field(default="normal", description="MNN power mode.")
     threads: int = Field(
-        default=1, ge=1, le=32, description="CPU threads of one forward (MNN caps them at 32).",
+        default=1, ge=1, le=32, strict=True,  # true, 2.0 and "4" are refused, not read as 1, 2 and 4
+        description="CPU threads of one forward (MNN caps them at 32).",
     )
     cache_dir: str | None = Field(
         default=None, alias="cacheDir",
