@@ -1,7 +1,8 @@
 """Observe the runtime pods: which are ready, and which versions each has loaded (and why not).
 
-Each pod answers ``GET /v2/models/{model}/status`` with every version's state and reason, and
-the backend it runs on beside the one its engine settings ask for. The scrape is concurrent and
+Each pod answers ``GET /v2/models/{model}/status`` with every version's state and reason, the
+backend it runs on beside the one its engine settings ask for, and the weights and routing table
+(its digest) it routes by. The scrape is concurrent and
 bounded by a short timeout so that one stuck pod cannot stall a reconcile.
 """
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from mnn_rollout.contract.config import VersionSpec
+from mnn_rollout.contract.routing import table_digest
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,16 @@ class Observation:
     def answering(self) -> list[PodView]:
         return [p for p in self.pods if p.status is not None]
 
-    def serving(self, weights: dict[str, int]) -> tuple[bool | None, str]:
+    def serving(self, weights: dict[str, int], table: Mapping[str, object] | None = None,
+                ) -> tuple[bool | None, str]:
         """Whether every ready pod that answers routes by ``weights`` (their entries above 0), as the
-        runtime reports in its status: (True, ""), (False, which pod serves what instead), or (None, "")
-        when no pod reports weights (none answers, or an older runtime)."""
+        runtime reports in its status, and by ``table`` (the encoded routing table published with
+        them: the same weights can come with another table, after a change and back), compared by
+        digest where the pod reports one (an older runtime does not: judged by weights alone).
+        (True, ""), (False, which pod serves what instead), or (None, "") when no pod reports
+        weights (none answers, or an older runtime)."""
         want = {k: v for k, v in weights.items() if v}
+        digest = table_digest(table) if table is not None else None
         reported, off = 0, []
         for pod in self.answering:
             got = (pod.status or {}).get("weights")
@@ -97,8 +105,11 @@ class Observation:
             # a version with weight that the pod has not loaded: its share goes to the pod's fallback
             missing = [v for v in routes if not (versions.get(v) or {}).get("ready")
                        and (versions.get(v) or {}).get("state") != "offloaded"]
+            served = (pod.status or {}).get("table_digest")
             if routes != want:
                 off.append(f"{pod.name} serves {weights_text(routes)}")
+            elif digest is not None and isinstance(served, str) and served != digest:
+                off.append(f"{pod.name} routes by another table of these weights (digest {served}, not {digest})")
             elif missing:
                 off.append(f"{pod.name} has not loaded {', '.join(sorted(missing))} (its share goes to the fallback)")
         if not reported:

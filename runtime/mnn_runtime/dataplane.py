@@ -112,14 +112,16 @@ class DataPlane:
         return state.model
 
     def model_status(self, model: str) -> dict[str, Any]:
-        """Every listed version's state, reason and weight (an mnn-rollout extension of OIP,
-        read by the operator to report per-version readiness across pods)."""
+        """Every listed version's state, reason and weight, and the routing table's digest (an
+        mnn-rollout extension of OIP, read by the operator to report per-version readiness and the
+        routing served across pods)."""
         snap = self._snapshot_for(model)
         return {
             "name": model,
             "ready": snap.ready,
             "stable_version": snap.config.stable_version,
             "weights": snap.weights,
+            "table_digest": snap.table_digest,  # which table of these weights (another can have the same)
             "versions_digest": snap.config.version_set_digest(),
             "versions": {
                 name: {"ready": v.ready, "state": v.state, "reason": v.reason, "uri": v.spec.uri,

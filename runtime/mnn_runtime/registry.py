@@ -9,6 +9,7 @@ version); if a changed file fails to load, the version keeps serving its previou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -22,7 +23,7 @@ from . import engine
 from .metrics import RuntimeMetrics, resident_bytes
 from .model import LoadedModel, ModelLoadError
 from .sources import local_file, prune
-from mnn_rollout.contract.routing import RoutingTable
+from mnn_rollout.contract.routing import RoutingTable, table_digest
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,12 @@ class Snapshot:
         if state.model is None:
             raise VersionNotReady(f"version {name!r} is not ready: {state.reason}")
         return state
+
+    @functools.cached_property
+    def table_digest(self) -> str:
+        """The digest of the table requests are routed by, as published (or evolved here, then encoded)."""
+        published = self.config.routing.table
+        return table_digest(published if published is not None else (self.base or self.table).encode())
 
     @property
     def ready(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mnn_rollout.contract.config import VersionSpec
+from mnn_rollout.contract.routing import RoutingTable, table_digest
 from rollout_operator.observe import Observation, PodView
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -74,3 +75,27 @@ def test_weights_are_served_when_every_ready_pod_reports_them() -> None:
                          weighted("c", {"v1": 100}), weighted("d", {"v2": 100}, ready=False)])
     assert stale.serving(want) == (False, "b serves v1:100 (and 1 more pods)")
     assert Observation([weighted("a", None), PodView("b", None, 8080, True)]).serving(want) == (None, "")
+
+
+def test_a_pod_routing_by_an_older_table_of_the_same_weights_does_not_serve_them() -> None:
+    weights = {"v1": 50, "a": 25, "b": 25}
+    first = RoutingTable.build("scorer", weights, "v1")
+    between = RoutingTable.build("scorer", {"v1": 50, "a": 50, "b": 0}, "v1", first)
+    published = RoutingTable.build("scorer", weights, "v1", between)  # the same weights, other buckets
+    assert published.owners != first.owners
+
+    def routing(name: str, table: RoutingTable | None) -> PodView:
+        status: dict[str, Any] = {"ready": True, "weights": weights,
+                                  "versions": {v: {"ready": True, "state": "ready"} for v in weights}}
+        if table is not None:
+            status["table_digest"] = table_digest(table.encode())
+        return PodView(name, "127.0.0.9", 8080, True, status)
+
+    encoded = published.encode()
+    assert Observation([routing("a", published)]).serving(weights, encoded) == (True, "")
+    stale = Observation([routing("a", published), routing("b", first)]).serving(weights, encoded)
+    assert stale == (False, f"b routes by another table of these weights (digest {table_digest(first.encode())},"
+                            f" not {table_digest(encoded)})")
+    # an older runtime reports no digest: judged by its weights, as before
+    assert Observation([routing("a", None)]).serving(weights, encoded) == (True, "")
+    assert Observation([routing("b", first)]).serving(weights) == (True, "")  # no table to compare with

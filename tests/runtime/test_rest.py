@@ -13,8 +13,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mnn_rollout.contract.config import parse_config_text
+from mnn_rollout.contract.routing import RoutingTable, table_digest
+from mnn_runtime.dataplane import DataPlane
+from mnn_runtime.metrics import RuntimeMetrics
 from mnn_runtime.model import LoadedModel
-from mnn_rollout.contract.routing import RoutingTable
+from mnn_runtime.registry import Registry
 from tests.runtime.test_metrics import value
 from tests.runtime_server import RuntimeServer
 
@@ -80,6 +84,22 @@ def test_the_status_extension_reports_every_version_with_its_reason(client: http
     assert status["versions"]["v3"]["ready"] is False
     assert "missing.mnn' does not exist" in status["versions"]["v3"]["reason"]
     assert client.get("/v2/models/other/status").status_code == 404
+
+
+def test_the_status_names_the_table_it_routes_by_evolved_here_or_as_published(client: httpx.Client,
+                                                                                 examples_dir: Path) -> None:
+    evolved = RoutingTable.build("scorer", {"v1": 90, "v2": 10}, "v1")
+    assert client.get("/v2/models/scorer/status").json()["table_digest"] == table_digest(evolved.encode())
+    # as published: another table of the same weights (after 50/50 and back), its digest as the operator computes it
+    published = RoutingTable.build("scorer", {"v1": 90, "v2": 10}, "v1",
+                                   RoutingTable.build("scorer", {"v1": 50, "v2": 50}, "v1"))
+    config = yaml.safe_load((examples_dir / "runtime.yaml").read_text())
+    config["versions"] = [{**v, "uri": str(examples_dir / v["uri"])} for v in config["versions"]]
+    config["routing"] = {"table": published.encode()}
+    plane = DataPlane(Registry(parse_config_text(yaml.safe_dump(config)), examples_dir, RuntimeMetrics("scorer")),
+                      RuntimeMetrics("scorer"))
+    assert plane.model_status("scorer")["table_digest"] == table_digest(published.encode())
+    assert table_digest(published.encode()) != table_digest(evolved.encode())
 
 
 def test_a_failed_version_names_its_file_and_refuses_pinned_traffic_with_503(client: httpx.Client) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import random
 import zlib
 from collections import Counter
@@ -120,6 +121,14 @@ def decode(table: Mapping[str, object]) -> tuple[str, ...]:
     if max(raw) >= len(names):
         raise ValueError(f"routing.table.buckets: version index {max(raw)} but only {len(names)} versions")
     return tuple(names[i] for i in raw)
+
+
+def table_digest(table: Mapping[str, object]) -> str:
+    """A short digest of an encoded table (``encode``'s versions and buckets, as published): pods
+    report the one they route by, and the operator compares it with the one it published."""
+    canonical = json.dumps({"versions": table.get("versions"), "buckets": table.get("buckets")},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
