@@ -283,5 +283,6 @@ def _s3_reason(exc: Exception) -> str:
     status = re.search(r"status code: (\d{3}[^:<]*)", text)
     code = re.search(r"<Code>([^<]+)</Code>", text)
     if status or code:
-        return " ".join(p for p in (status.group(1).strip() if status else "", f"({code.group(1)})" if code else "") if p)
+        parts = (status.group(1).strip() if status else "", f"({code.group(1)})" if code else "")
+        return " ".join(p for p in parts if p)
     return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"

@@ -96,7 +96,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def files(examples_dir: Path) -> Iterator[ModelFiles]:
-    server = ModelFiles({f"/{name}": (examples_dir / name).read_bytes() for name in ("v1.mnn", "v2.mnn", "v2-slow.mnn")})
+    names = ("v1.mnn", "v2.mnn", "v2-slow.mnn")
+    server = ModelFiles({f"/{name}": (examples_dir / name).read_bytes() for name in names})
     yield server
     server.close()
 
@@ -214,7 +215,8 @@ def test_a_worker_never_downloads(files: ModelFiles, tmp_path: Path) -> None:
 
 def test_a_pruned_cache_keeps_the_files_named_and_only_removes_its_own_entries(files: ModelFiles,
                                                                               tmp_path: Path) -> None:
-    specs = [VersionSpec(name=v, uri=files.url(f"/{v}.mnn"), sha256=sha(files.files[f"/{v}.mnn"])) for v in ("v1", "v2")]
+    specs = [VersionSpec(name=v, uri=files.url(f"/{v}.mnn"), sha256=sha(files.files[f"/{v}.mnn"]))
+             for v in ("v1", "v2")]
     shared = settings(tmp_path)
     paths = [local_file(spec, None, settings=shared) for spec in specs]
     others = [shared.cache_dir / name for name in (".0123456789abcdef-x.part", "notes.txt", "a" * 64 + ".mnn")]
@@ -233,7 +235,8 @@ def test_the_settings_come_from_the_environment_with_bounded_defaults(tmp_path: 
     assert defaults.cache_dir.name == "mnn-rollout-models" and defaults.timeout == 600
     assert defaults.max_bytes == 4 * 1024**3 and not defaults.prune
     assert SourceSettings.from_env({"MNN_ROLLOUT_MODEL_CACHE_PRUNE": "true"}).prune
-    given = SourceSettings.from_env({"MNN_ROLLOUT_MODEL_CACHE": str(tmp_path), "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS": "30",
+    given = SourceSettings.from_env({"MNN_ROLLOUT_MODEL_CACHE": str(tmp_path),
+                                     "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS": "30",
                                      "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES": "-5"})
     assert (given.cache_dir, given.timeout, given.max_bytes) == (tmp_path, 30, 4 * 1024**3)  # a bad bound: the default
 
