@@ -77,8 +77,8 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
                    help="enable the admin endpoints (GET /v2/models/M/versions/V/profile) for requests with "
                         "'Authorization: Bearer TOKEN', TOKEN read from this file at start (default: disabled)")
     p.add_argument("--feedback-token-file", metavar="PATH", default=None,
-                   help="require 'Authorization: Bearer TOKEN' on POST /v2/models/M/feedback, TOKEN read from "
-                        "this file at start (default: the feedback endpoint takes no token)")
+                   help="enable POST /v2/models/M/feedback for requests with 'Authorization: Bearer TOKEN', "
+                        "TOKEN read from this file at start (default: $MNN_ROLLOUT_FEEDBACK_TOKEN if set, else disabled)")
 
 
 def _token(path: str | None, flag: str = "--admin-token-file") -> str | None:
@@ -90,13 +90,23 @@ def _token(path: str | None, flag: str = "--admin-token-file") -> str | None:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{flag} {path!r}: cannot be read: {exc}") from None
+    return _checked_token(token, f"{flag} {path!r}")
+
+
+def _checked_token(token: str | None, where: str) -> str | None:
+    """``token`` (None: none given); raises ValueError naming ``where`` when it cannot be a bearer token."""
+    if token is None:
+        return None
+    token = token.strip()
     if not token or not (token.isascii() and token.isprintable()) or " " in token:
-        raise ValueError(f"{flag} {path!r}: must hold one token of printable ASCII without spaces")
+        raise ValueError(f"{where}: must hold one token of printable ASCII without spaces")
     return token
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from mnn_rollout.contract.config import ConfigError
+    import os
+
+    from mnn_rollout.contract.config import FEEDBACK_TOKEN_ENV, ConfigError
     from mnn_runtime.server import (build_runtime, build_runtime_from_configmap, raise_open_files_limit, serve,
                                     serve_workers)
     from mnn_runtime.workers_cpus import usable_cpus
@@ -106,7 +116,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         token = _token(args.admin_token_file)
-        feedback_token = _token(args.feedback_token_file, "--feedback-token-file")
+        feedback_token = _token(args.feedback_token_file, "--feedback-token-file") if args.feedback_token_file \
+            else _checked_token(os.environ.get(FEEDBACK_TOKEN_ENV), FEEDBACK_TOKEN_ENV)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

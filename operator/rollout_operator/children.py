@@ -23,7 +23,7 @@ import yaml
 
 from mnn_rollout.contract.config import (CONFIG_KEY, DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES_ENV,
                                          DOWNLOAD_TIMEOUT_ENV, DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS,
-                                         MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, YAML_LOADER, RuntimeConfig, dump_config)
+                                         FEEDBACK_TOKEN_ENV, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, YAML_LOADER, RuntimeConfig, dump_config)
 from mnn_rollout.contract.routing import RoutingTable, decode
 
 from .spec import (DEFAULT_IMAGE, MODEL_CACHE_DIR, MODEL_CACHE_VOLUME, AutoscalingSpec, ModelDeploymentSpec,
@@ -349,6 +349,9 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         # stops accepting and finishes what is in flight (within the grace period below).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
     }
+    if rt.feedback is not None:  # read by the kubelet: the operator may not read Secrets
+        container["env"].append({"name": FEEDBACK_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+            "name": rt.feedback.secret_name, "key": rt.feedback.key}}})
     if rt.image_pull_policy:
         container["imagePullPolicy"] = rt.image_pull_policy
     pod_spec: dict[str, Any] = {

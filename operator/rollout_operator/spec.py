@@ -205,6 +205,37 @@ def request_over_limit(resources: dict[str, Any]) -> str | None:
     return None
 
 
+SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+
+
+def _secret_name(value: str) -> str:
+    if len(value) > 253 or not DNS1123_SUBDOMAIN.match(value):
+        raise ValueError(f"secretName {value!r} is not a Secret name (a DNS-1123 subdomain)")
+    return value
+
+
+class FeedbackSpec(_Model):
+    """The token ``POST /v2/models/{model}/feedback`` requires (``Authorization: Bearer TOKEN``): key
+    ``key`` of Secret ``secretName`` in the object's namespace, given to the runtime container by
+    the kubelet (as ``MNN_ROLLOUT_FEEDBACK_TOKEN``). Without it the runtime pods refuse feedback:
+    it decides rollouts and experiments, so nobody may post it unauthenticated."""
+
+    secret_name: str = Field(alias="secretName")
+    key: str = "token"
+
+    @field_validator("secret_name")
+    @classmethod
+    def _secret(cls, value: str) -> str:
+        return _secret_name(value)
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if not SECRET_KEY.match(value) or value in (".", ".."):
+            raise ValueError(f"key {value!r} is not a Secret key (letters, digits, '-', '_' and '.', at most 253)")
+        return value
+
+
 class RuntimeSpec(_Model):
     image: str | None = None  # None: the operator's --runtime-image
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None,
@@ -223,6 +254,7 @@ class RuntimeSpec(_Model):
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
     pod_annotations: dict[str, str] = Field(default_factory=dict, alias="podAnnotations")
     pod_labels: dict[str, str] = Field(default_factory=dict, alias="podLabels")
+    feedback: FeedbackSpec | None = None  # None: the pods refuse feedback
 
     @model_validator(mode="before")
     @classmethod
@@ -308,9 +340,7 @@ class S3SourceSpec(_Model):
     @field_validator("secret_name")
     @classmethod
     def _secret_name(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > 253 or not DNS1123_SUBDOMAIN.match(value)):
-            raise ValueError(f"secretName {value!r} is not a Secret name (a DNS-1123 subdomain)")
-        return value
+        return None if value is None else _secret_name(value)
 
 
 class ModelSourceSpec(_Model):

@@ -9,7 +9,7 @@ so feedback on it counts only when it reaches that same worker; otherwise it is 
 unmatched, not as an error. Applications that send feedback should let the runtime make the id.
 
 ``POST /v2/models/{model}/feedback`` takes ``{"id": ..., "value": <number>}`` or a list of them;
-values are finite and >= 0 (the sums are read as counters by PromQL ``increase()`` and by the
+values are from 0 to ``MAX_VALUE`` (the sums are read as counters by PromQL ``increase()`` and by the
 direct provider, so they must never go down: shift a metric that can be negative).
 """
 
@@ -32,6 +32,9 @@ from .errors import BadRequest
 SEPARATOR = "."
 MAX_ITEMS = 1000  # per feedback request
 MAX_ID_LENGTH = 256
+# Largest value taken: the pods' sums of squares must stay finite (1e200 twice made them +Inf for
+# good, stalling every ``kind: mean`` comparison); 1e15 squared summed a billion times is 1e39.
+MAX_VALUE = 1e15
 UNKNOWN, EXPIRED = "unknown", "expired"  # why a feedback item was not counted
 
 
@@ -120,7 +123,8 @@ def parse_feedback(body: bytes) -> list[tuple[str, float]]:
         rid, value = item.get("id"), item.get("value")
         if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LENGTH:
             raise BadRequest(f"feedback{where}.id: {rid!r} is not a response id (a string of 1-{MAX_ID_LENGTH})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise BadRequest(f"feedback{where}.value: {value!r} is not a finite number >= 0")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 <= value <= MAX_VALUE:
+            raise BadRequest(f"feedback{where}.value: {value!r} is not a number from 0 to {MAX_VALUE:g}")
         out.append((rid, float(value)))
     return out

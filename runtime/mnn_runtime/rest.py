@@ -193,12 +193,13 @@ class V2Endpoints:
         return _obj(result.as_dict())
 
     async def feedback(self, request: Request, model_name: str) -> Response:
-        """Outcomes of answered requests, counted per version (``feedback.py``); behind a bearer
-        token when the runtime has one (``--feedback-token-file``)."""
-        if self.feedback_token is not None:
-            refused = _unauthorized(request, self.feedback_token, "feedback")
-            if refused is not None:
-                return refused
+        """Outcomes of answered requests, counted per version (``feedback.py``), behind a bearer
+        token: they decide rollouts and experiments, so a runtime without a token takes none."""
+        if self.feedback_token is None:
+            return _json(403, FEEDBACK_DISABLED)
+        refused = _unauthorized(request, self.feedback_token, "feedback")
+        if refused is not None:
+            return refused
         try:
             limit = self.dataplane.registry.snapshot.config.server.max_body_bytes
             body = await read_body(dict(request.headers), request.receive, limit)
@@ -208,6 +209,10 @@ class V2Endpoints:
 
     async def metrics_endpoint(self) -> Response:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+FEEDBACK_DISABLED = orjson.dumps({"error": "feedback is disabled: start the runtime with --feedback-token-file PATH (or "
+                                            "MNN_ROLLOUT_FEEDBACK_TOKEN; in a cluster, spec.runtime.feedback.secretName)"})
 
 
 def _unauthorized(request: Request, token: bytes, realm: str) -> Response | None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from rollout_operator import children
-from rollout_operator.spec import parse_spec
+from rollout_operator.spec import SpecError, parse_spec
 
 BODY = {"apiVersion": "mnnrollout.io/v1alpha1", "metadata": {"name": "scorer", "uid": "u-1"}}
 SPEC = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}, {"name": "v2", "uri": "/m/v2.mnn"}],
@@ -319,6 +319,22 @@ def test_an_s3_model_source_gives_the_pods_the_secrets_keys_the_endpoint_and_a_d
     settings = SourceSettings.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})
     assert (str(settings.cache_dir), settings.timeout, settings.max_bytes) == ("/var/cache/mnn-rollout", 120,
                                                                                4 * 1024**3)
+
+
+def test_a_feedback_secret_gives_the_runtime_its_token_through_the_kubelet() -> None:
+    import kubernetes_validate
+
+    dep = _deployment({"versions": S3_SPEC["versions"][:1], "runtime": {"feedback": {"secretName": "outcomes"}}})
+    kubernetes_validate.validate(dep, "1.30", strict=True)
+    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MNN_ROLLOUT_FEEDBACK_TOKEN"] == {"name": "MNN_ROLLOUT_FEEDBACK_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "outcomes", "key": "token"}}}
+    plain = _deployment({"versions": S3_SPEC["versions"][:1]})
+    assert "MNN_ROLLOUT_FEEDBACK_TOKEN" not in {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]}
+    for bad, message in (({"secretName": "Outcomes"}, "secretName 'Outcomes' is not a Secret name"),
+                         ({"secretName": "o", "key": "a/b"}, "key 'a/b' is not a Secret key"), ({}, "secretName")):
+        with pytest.raises(SpecError, match=f"spec.runtime.feedback.*{message}"):
+            parse_spec({"versions": S3_SPEC["versions"][:1], "runtime": {"feedback": bad}})
 
 
 def test_without_a_model_source_the_pods_get_no_source_settings() -> None:

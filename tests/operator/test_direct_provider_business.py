@@ -25,7 +25,7 @@ from rollout_operator.strategy import AnalysisSpec, MetricSpec
 from rollout_operator.verdicts import FAIL, PASS, Analysis, evaluate
 from testbed.promstack import GOOD_BODY
 from tests.runtime.test_metrics import samples
-from tests.runtime_server import RuntimeServer
+from tests.runtime_server import FEEDBACK_AUTH, RuntimeServer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +76,8 @@ def pinned(url: str, version: str, n: int) -> list[str]:
 
 
 def feedback(url: str, items: list[tuple[str, float]]) -> None:
-    resp = httpx.post(f"{url}/v2/models/scorer/feedback", json=[{"id": i, "value": v} for i, v in items])
+    resp = httpx.post(f"{url}/v2/models/scorer/feedback", json=[{"id": i, "value": v} for i, v in items],
+                      headers=FEEDBACK_AUTH)
     assert resp.json() == {"counted": len(items), "unmatched": 0}
 
 

@@ -167,9 +167,9 @@ def ab_on_a_real_runtime(model_dir: Any, name: str, metrics: list[dict[str, Any]
            "progressDeadlineSeconds": 60}
     rollout = LocalRollout(raw, model_dir / f"{name}.yaml", name="scorer", time_limit=50)
     rollout.prepare()
-    runtime = LocalRuntime(model_dir / f"{name}.yaml", model_dir / "runtime.log")
+    runtime = LocalRuntime(model_dir / f"{name}.yaml", model_dir / "runtime.log", feedback_token="experiment-token")
     runtime.start()
-    users = Conversions(runtime.url, "scorer", {"v1": 0.10, "v2": 0.30}).start()
+    users = Conversions(runtime.url, "scorer", {"v1": 0.10, "v2": 0.30}, "experiment-token").start()
     traffic = Traffic(runtime.url, "scorer", users=500, rate=150, connections=2, max_seconds=60,
                       on_answer=users.answered).start()
     try:

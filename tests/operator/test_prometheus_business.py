@@ -24,7 +24,7 @@ from rollout_operator.strategy import AnalysisSpec, MetricSpec
 from rollout_operator.verdicts import FAIL, evaluate
 from testbed.promstack import GOOD_BODY, Prometheus, require_promstack
 from tests.operator.test_direct_provider_business import config
-from tests.runtime_server import RuntimeServer
+from tests.runtime_server import FEEDBACK_AUTH, RuntimeServer
 
 pytestmark = pytest.mark.timeout(240)
 WINDOW_SECONDS = 120
@@ -70,7 +70,8 @@ def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                        for _ in range(n)]
                 items = [{"id": i, "value": 1} for i in ids[:ones]] + [{"id": i, "value": 0}
                                                                        for i in ids[ones:ones + zeros]]
-                assert client.post("/v2/models/scorer/feedback", json=items).json()["counted"] == ones + zeros
+                assert client.post("/v2/models/scorer/feedback", json=items,
+                                   headers=FEEDBACK_AUTH).json()["counted"] == ones + zeros
         for version in pods:
             prometheus.wait_until(lambda: shadow_runs(prometheus, version) == ROUTED, 30,  # type: ignore[union-attr]  # noqa: B023
                                   f"Prometheus scraped the {ROUTED} shadow runs of {version}")

@@ -4,6 +4,7 @@ answered (issue 14 item 2)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ from mnn_runtime.feedback import EXPIRED, MAX_ID_LENGTH, UNKNOWN, FeedbackBook, 
 from mnn_runtime.errors import BadRequest
 from mnn_runtime.server import build_runtime
 from tests.runtime.test_metrics import value
-from tests.runtime_server import RuntimeServer
+from tests.runtime_server import FEEDBACK_TOKEN, RuntimeServer
 
 pytestmark = pytest.mark.timeout(120)
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
@@ -28,7 +29,7 @@ def infer(url: str, user: str, request_id: str | None = None) -> tuple[str, str]
     return r.json()["id"], r.headers["X-Model-Version"]
 
 
-def feedback(url: str, items: object, token: str | None = None) -> httpx.Response:
+def feedback(url: str, items: object, token: str | None = FEEDBACK_TOKEN) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client() as c:
         return c.post(url + "/v2/models/scorer/feedback", json=items, headers=headers)
@@ -63,12 +64,15 @@ def test_the_book_forgets_the_oldest_and_the_expired() -> None:
     (b"{oops", "feedback body is not JSON"),
     (b"[]", "feedback: 0 items"),
     (b'{"value": 1}', "feedback.id: None is not a response id"),
-    (b'[{"id": "x", "value": -1}]', "feedback[0].value: -1 is not a finite number >= 0"),
-    (b'{"id": "x", "value": true}', "feedback.value: True is not a finite number >= 0"),
-    (b'{"id": "x", "value": "1"}', "feedback.value: '1' is not a finite number >= 0"),
+    (b'[{"id": "x", "value": -1}]', "feedback[0].value: -1 is not a number from 0 to 1e+15"),
+    (b'{"id": "x", "value": true}', "feedback.value: True is not a number from 0 to 1e+15"),
+    (b'{"id": "x", "value": "1"}', "feedback.value: '1' is not a number from 0 to 1e+15"),
+    # its square would overflow the sum of squares (1e200 twice made it +Inf for good)
+    (b'[{"id": "x", "value": 1}, {"id": "y", "value": 1e200}]', "feedback[1].value: 1e+200 is not a number from 0"),
+    (b'{"id": "x", "value": 1000000000000001}', "feedback.value: 1000000000000001 is not a number from 0"),
 ])
 def test_bad_feedback_is_refused_naming_the_field(body: bytes, message: str) -> None:
-    with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(BadRequest, match=re.escape(message)):
         parse_feedback(body)
 
 
@@ -152,6 +156,45 @@ def test_a_feedback_token_is_required_when_the_runtime_has_one(model_dir: Path, 
         assert r.status_code == 200 and r.json()["counted"] == 1
     finally:
         server.stop()
+
+
+def test_without_a_token_feedback_is_refused_saying_how_to_give_one(examples_dir: Path) -> None:
+    """Feedback decides rollouts and experiments: a runtime with no token takes none at all."""
+    runtime = build_runtime(examples_dir / "runtime.yaml")
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=runtime.app), base_url="http://t") as c:
+            rid = (await c.post("/v2/models/scorer/infer", json=BODY)).json()["id"]
+            return await c.post("/v2/models/scorer/feedback", json={"id": rid, "value": 1},
+                                headers={"Authorization": "Bearer anything"})
+
+    try:
+        r = asyncio.run(post())
+        assert r.status_code == 403, r.text
+        assert "--feedback-token-file" in r.json()["error"] and "spec.runtime.feedback.secretName" in r.json()["error"]
+        assert value(runtime.metrics.exposition().decode(), "mnn_feedback_total", model="scorer", version="v1") == 0
+    finally:
+        runtime.close()
+
+
+def test_the_token_may_come_from_the_environment_and_a_blank_one_stops_the_start(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mnn_rollout.local.process import LocalRuntime
+
+    monkeypatch.setenv("MNN_ROLLOUT_FEEDBACK_TOKEN", " from-the-env\n")  # as a Secret's value may end
+    server = LocalRuntime(model_dir / "runtime.yaml", tmp_path / "env.log")
+    server.start()
+    try:
+        rid, _ = infer(server.url, "user-9")
+        assert feedback(server.url, {"id": rid, "value": 1}, "from-the-env").json()["counted"] == 1
+        assert feedback(server.url, {"id": rid, "value": 1}, FEEDBACK_TOKEN).status_code == 401
+    finally:
+        server.stop()
+    monkeypatch.setenv("MNN_ROLLOUT_FEEDBACK_TOKEN", "  ")
+    blank = LocalRuntime(model_dir / "runtime.yaml", tmp_path / "blank.log")
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        blank.start()
+    assert "MNN_ROLLOUT_FEEDBACK_TOKEN: must hold one token" in blank.log()
 
 
 def test_made_ids_differ_across_calls_and_forked_workers() -> None:

@@ -48,6 +48,9 @@ DEFAULT_MODEL_CACHE = "mnn-rollout-models"
 MODEL_CACHE_PRUNE_ENV = "MNN_ROLLOUT_MODEL_CACHE_PRUNE"
 DOWNLOAD_TIMEOUT_ENV = "MNN_ROLLOUT_DOWNLOAD_TIMEOUT_SECONDS"  # longest one download may take
 DOWNLOAD_MAX_BYTES_ENV = "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES"  # largest file accepted
+# The token POST /v2/models/M/feedback requires, when `serve` has no --feedback-token-file: the
+# operator has the kubelet set it from spec.runtime.feedback's Secret.
+FEEDBACK_TOKEN_ENV = "MNN_ROLLOUT_FEEDBACK_TOKEN"
 DOWNLOAD_TIMEOUT_SECONDS = 600
 # Top-level directories a compile cache may not be in: the operator mounts an emptyDir on cacheDir.
 SYSTEM_DIRS = frozenset({"usr", "etc", "proc", "sys", "dev", "bin", "sbin", "lib", "lib64", "boot"})

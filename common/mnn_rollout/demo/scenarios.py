@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -131,14 +132,15 @@ def run_demo(scenario: str = "promote", step_seconds: float = 5.0, workdir: str 
         rollout = LocalRollout(demo_spec(chosen, sums, step_seconds), root / "demo-runtime.yaml", name="scorer",
                                time_limit=time_limit)
         rollout.prepare()  # the first decision (nothing loaded yet) and the config it describes
-        runtime = LocalRuntime(rollout.config_path, root / "runtime.log")
+        runtime = LocalRuntime(rollout.config_path, root / "runtime.log", feedback_token=secrets.token_urlsafe(24))
         traffic: Traffic | None = None
         users_act: Conversions | None = None
         applied, served = None, {}
         try:
             runtime.start()
             if chosen.conversions:
-                users_act = Conversions(runtime.url, "scorer", chosen.conversions).start()
+                users_act = Conversions(runtime.url, "scorer", chosen.conversions,
+                                        runtime.feedback_token or "").start()
             traffic = Traffic(runtime.url, "scorer", users=users, rate=rate, connections=4,
                               max_seconds=time_limit + 30,
                               on_answer=users_act.answered if users_act else None).start()

@@ -2,7 +2,7 @@
 probability that depends on the version that served it, and its outcome (1 converted, 0 not) is
 posted to the runtime's feedback endpoint with the response's ``id``, as an application would.
 
-    users = Conversions(runtime.url, "scorer", {"v1": 0.30, "v2": 0.15}).start()
+    users = Conversions(runtime.url, "scorer", {"v1": 0.30, "v2": 0.15}, runtime.feedback_token).start()
     Traffic(runtime.url, "scorer", on_answer=users.answered).start()
     ...
     users.stop()  # posts what is left
@@ -41,10 +41,11 @@ class Conversions:
     """Per version, the probability that a user converts after an answer (``default`` for a
     version not named); ``totals`` counts answers and conversions per version as drawn."""
 
-    def __init__(self, url: str, model: str, rates: Mapping[str, float], default: float = 0.0, seed: int = 11,
-                 flush_seconds: float = 0.2, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, model: str, rates: Mapping[str, float], token: str, default: float = 0.0,
+                 seed: int = 11, flush_seconds: float = 0.2, timeout: float = 5.0) -> None:
         require_loopback(urlparse(url).hostname or "")
         self.endpoint = f"{url.rstrip('/')}/v2/models/{model}/feedback"
+        self.headers = {"Authorization": f"Bearer {token}"}  # the runtime's feedback token
         self.rates, self.default = dict(rates), default
         self.flush_seconds, self.timeout = flush_seconds, timeout
         self.totals: dict[str, list[int]] = {}  # version -> [answers, conversions]
@@ -97,7 +98,7 @@ class Conversions:
             batch = pending[start:start + MAX_BATCH]
             try:
                 resp = client.post(self.endpoint, content=json.dumps(batch),
-                                   headers={"Content-Type": "application/json"})
+                                   headers={"Content-Type": "application/json", **self.headers})
                 resp.raise_for_status()
                 self.posted += len(batch)
                 self.counted += int(resp.json().get("counted", 0))

@@ -26,10 +26,17 @@ class LocalRuntime:
 
     def __init__(self, config: Path, log_path: Path, host: str = "127.0.0.1", port: int | None = None,
                  extra_args: list[str] | None = None, ready_path: str = "/v2/health/ready",
-                 log_level: str = "warning", stop_timeout: float = 20.0, log_in_errors: bool = False) -> None:
+                 log_level: str = "warning", stop_timeout: float = 20.0, log_in_errors: bool = False,
+                 feedback_token: str | None = None) -> None:
         self.config, self.log_path, self.host = config, log_path, require_loopback(host)
         self.port = port or free_port(host)
         self.extra_args = list(extra_args or [])
+        self.feedback_token = feedback_token  # the feedback endpoint's bearer token; None: feedback disabled
+        if feedback_token is not None:
+            token_file = log_path.with_name(log_path.name + ".feedback-token")
+            token_file.touch(mode=0o600)
+            token_file.write_text(feedback_token)
+            self.extra_args += ["--feedback-token-file", str(token_file)]
         if not any(a == "--workers" or a.startswith("--workers=") for a in self.extra_args):
             # one process unless asked: the demo and the tests run several runtimes on one machine
             self.extra_args += ["--workers", "1"]
