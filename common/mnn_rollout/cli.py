@@ -78,7 +78,8 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
                         "'Authorization: Bearer TOKEN', TOKEN read from this file at start (default: disabled)")
     p.add_argument("--feedback-token-file", metavar="PATH", default=None,
                    help="enable POST /v2/models/M/feedback for requests with 'Authorization: Bearer TOKEN', "
-                        "TOKEN read from this file at start (default: $MNN_ROLLOUT_FEEDBACK_TOKEN if set, else disabled)")
+                        "TOKEN read from this file at start (default: $MNN_ROLLOUT_FEEDBACK_TOKEN if set, "
+                        "else disabled)")
 
 
 def _token(path: str | None, flag: str = "--admin-token-file") -> str | None:

@@ -23,7 +23,8 @@ import yaml
 
 from mnn_rollout.contract.config import (CONFIG_KEY, DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES_ENV,
                                          DOWNLOAD_TIMEOUT_ENV, DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS,
-                                         FEEDBACK_TOKEN_ENV, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, YAML_LOADER, RuntimeConfig, dump_config)
+                                         FEEDBACK_TOKEN_ENV, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, YAML_LOADER,
+                                         RuntimeConfig, dump_config)
 from mnn_rollout.contract.routing import RoutingTable, decode
 
 from .spec import (DEFAULT_IMAGE, MODEL_CACHE_DIR, MODEL_CACHE_VOLUME, AutoscalingSpec, ModelDeploymentSpec,

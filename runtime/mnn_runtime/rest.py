@@ -211,8 +211,9 @@ class V2Endpoints:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
-FEEDBACK_DISABLED = orjson.dumps({"error": "feedback is disabled: start the runtime with --feedback-token-file PATH (or "
-                                            "MNN_ROLLOUT_FEEDBACK_TOKEN; in a cluster, spec.runtime.feedback.secretName)"})
+FEEDBACK_DISABLED = orjson.dumps({"error": "feedback is disabled: start the runtime with --feedback-token-file PATH "
+                                           "(or MNN_ROLLOUT_FEEDBACK_TOKEN; in a cluster, "
+                                           "spec.runtime.feedback.secretName)"})
 
 
 def _unauthorized(request: Request, token: bytes, realm: str) -> Response | None:

@@ -330,7 +330,8 @@ def test_a_feedback_secret_gives_the_runtime_its_token_through_the_kubelet() -> 
     assert env["MNN_ROLLOUT_FEEDBACK_TOKEN"] == {"name": "MNN_ROLLOUT_FEEDBACK_TOKEN", "valueFrom": {
         "secretKeyRef": {"name": "outcomes", "key": "token"}}}
     plain = _deployment({"versions": S3_SPEC["versions"][:1]})
-    assert "MNN_ROLLOUT_FEEDBACK_TOKEN" not in {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]}
+    plain_env = plain["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "MNN_ROLLOUT_FEEDBACK_TOKEN" not in {e["name"] for e in plain_env}
     for bad, message in (({"secretName": "Outcomes"}, "secretName 'Outcomes' is not a Secret name"),
                          ({"secretName": "o", "key": "a/b"}, "key 'a/b' is not a Secret key"), ({}, "secretName")):
         with pytest.raises(SpecError, match=f"spec.runtime.feedback.*{message}"):
