@@ -410,7 +410,9 @@ def render_service(target: Target, spec: ModelDeploymentSpec) -> dict[str, Any]:
 
 
 def render_rbac(target: Target) -> list[dict[str, Any]]:
-    """ServiceAccount + Role + RoleBinding: get/list/watch of the routing ConfigMap only."""
+    """ServiceAccount + Role + RoleBinding: get and watch of the routing ConfigMap only (the runtime
+    reads it by name and watches it with ``fieldSelector=metadata.name=...``, which RBAC authorizes
+    against ``resourceNames``; it never lists)."""
     return [
         stamped({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(target, target.runtime)}),
         stamped({
@@ -418,7 +420,7 @@ def render_rbac(target: Target) -> list[dict[str, Any]]:
             "kind": "Role",
             "metadata": _meta(target, target.runtime),
             "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [target.routing],
-                       "verbs": ["get", "list", "watch"]}],
+                       "verbs": ["get", "watch"]}],
         }),
         stamped({
             "apiVersion": "rbac.authorization.k8s.io/v1",

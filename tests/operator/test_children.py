@@ -86,7 +86,7 @@ def test_a_pod_that_rolls_drains_first() -> None:
 def test_the_runtime_may_read_only_its_own_configmap() -> None:
     role = render({"v1": 100})["Role"]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["scorer-routing"],
-                              "verbs": ["get", "list", "watch"]}]
+                              "verbs": ["get", "watch"]}]
 
 
 def test_workers_follow_the_containers_cpu_unless_given() -> None:

@@ -102,7 +102,7 @@ tests/helm/test_rbac.py checks this list against the code and that nothing else 
 # Children: ConfigMap <name>-routing, Service, ServiceAccount: written by server-side apply
 # (patch; create when the apply creates); read (get) before the watch cache is synced;
 # list/watch (by the owner label) so that a child edited or deleted by hand wakes its owner,
-# whose reconcile puts it back. (The runtime's Role grants get/list/watch on its ConfigMap, and
+# whose reconcile puts it back. (The runtime's Role grants get/watch on its ConfigMap, and
 # RBAC lets a subject grant only permissions it holds itself.)
 - apiGroups: [""]
   resources: [configmaps]
