@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -195,7 +195,9 @@ class Reconciler:
                                          routed_versions(spec, new), self.ports.published_table(target), shadow)
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         written.update(self.ports.delete_children(children.unrendered(target, spec), children.owner_uid(target)))
+        published = config.routing.table  # the table the pods must route by (with new.weights)
         if written.get(f"ConfigMap/{target.routing}", "").startswith(REJECTED):
+            published = None  # the pods keep the table they had: judged by its weights alone
             # The routing was not written: the pods serve what the status said before. Claiming the
             # decision (a rollback done, a step's weight) would say what no pod serves; the stored status
             # stays (with a pending rollback, if one was recorded: the next try finishes it), and
@@ -209,7 +211,7 @@ class Reconciler:
             new, events = replace(stored, observed_generation=generation, analysis=kept.analysis,
                                   failures=kept.failures, sequential=kept.sequential), []
         new = self._rejected(new, written, now)
-        new = self._served(new, observation, now)
+        new = self._served(new, observation, now, published)
         child_events = self._child_events(first, status, new, written)
         try:
             wrote = self._write_status(body, new)
@@ -292,10 +294,12 @@ class Reconciler:
         return with_condition(new, "ChildRejected", "False", "Accepted", "every child was accepted", now)
 
     @staticmethod
-    def _served(new: RolloutStatus, observation: Observation, now: float) -> RolloutStatus:
-        """Condition WeightsServed: whether every ready pod routes by ``new.weights`` (as seen before
-        this reconcile's writes: a change is confirmed by the next look, polled meanwhile)."""
-        serving, detail = observation.serving(new.weights)
+    def _served(new: RolloutStatus, observation: Observation, now: float,
+                table: Mapping[str, object] | None) -> RolloutStatus:
+        """Condition WeightsServed: whether every ready pod routes by ``new.weights`` and the
+        published ``table`` (as seen before this reconcile's writes: a change is confirmed by the
+        next look, polled meanwhile)."""
+        serving, detail = observation.serving(new.weights, table)
         if serving is None:  # no pod says (none answers, or an older runtime): nothing is claimed, nor polled for
             if condition(new, "WeightsServed") is None:
                 return new

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from mnn_rollout.contract.config import parse_config_text
+from mnn_rollout.contract.routing import table_digest
 from mnn_rollout.demo.ports import LocalPorts
 from rollout_operator import children
 from rollout_operator.kube import ApiError
@@ -581,15 +582,20 @@ def test_a_rollback_whose_routing_write_is_refused_is_not_reported_done_and_is_f
 
 
 class WeightedPods(Ports):
-    """One ready pod that reports the weights it routes by: those of the ConfigMap once ``applied``."""
+    """One ready pod that reports the weights it routes by, those of the ConfigMap once ``applied``,
+    and the digest of its table: the ConfigMap's, or ``digest`` when set (an older table)."""
 
     applied = False
     reports = True  # False: a runtime that does not report its weights
+    digest: str | None = None
 
     def observe_pods(self, target: children.Target, port: int, model: str) -> Observation:
         versions = {v["name"]: {"ready": True, "uri": v["uri"]} for v in VERSIONS}
         weights = self.served() if self.applied else {"v1": 100}
+        table = parse_config_text(self.config_text).routing.table if self.applied else None
         status: dict[str, Any] = {"versions": versions, **({"weights": weights} if self.reports else {})}
+        if table is not None:
+            status["table_digest"] = self.digest or table_digest(table)
         return Observation([PodView("pod-a", "127.0.0.1", port, True, status)])
 
 
@@ -606,6 +612,14 @@ def test_the_status_says_whether_the_pods_serve_its_weights_yet(tmp_path: Path) 
     reconcile(ports, rec)
     served = condition(ports.status(), "WeightsServed")
     assert served is not None and served["status"] == "True" and served["message"] == "every pod serves v1:80, v2:20"
+    ports.digest = "0123456789abcdef"  # the same weights by another table (after a change and back)
+    reconcile(ports, rec)
+    served = condition(ports.status(), "WeightsServed")
+    assert served is not None and served["status"] == "False", served
+    assert served["message"].startswith("pod-a routes by another table of these weights (digest 0123456789abcdef")
+    ports.digest = None
+    reconcile(ports, rec)
+    assert condition(ports.status(), "WeightsServed")["status"] == "True"  # type: ignore[index]
     ports.reports, ports.applied = False, False  # an older runtime: nothing claimed either way, nor polled for
     reconcile(ports, rec)
     served = condition(ports.status(), "WeightsServed")
