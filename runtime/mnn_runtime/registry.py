@@ -241,13 +241,10 @@ class Registry:
             before = resident_bytes()  # after the download: its buffers are not this version's
             model = LoadedModel.load(path, spec.sha256, spec.warmup_shapes, spec.engine, spec.name)
         except ModelLoadError as exc:
-            if old is not None and old.ready:
-                # A bad file never replaces a good one: keep serving the previous file.
-                reason = f"new file {spec.uri} not loaded, still serving {old.spec.uri}: {exc.reason}"
-                log.error("version %s: %s", spec.name, reason)
-                return VersionState(old.spec, FAILED, old.model, reason, old.memory_bytes)
-            log.error("version %s failed to load: %s", spec.name, exc.reason)
-            return VersionState(spec, FAILED, None, exc.reason)
+            return _failed(spec, old, exc.reason)
+        except Exception as exc:  # noqa: BLE001 - a bug or an engine error not foreseen fails this version only
+            return _failed(spec, old, f"model file {spec.uri} could not be loaded: {type(exc).__name__}: {exc} "
+                                      f"(an unexpected error: its traceback is in the runtime's log)", exc)
         after = resident_bytes()
         memory = max(0, after - before) if before is not None and after is not None else None
         log.info("version %s loaded from %s in %.3f s (%s MB resident added)", spec.name, path, model.load_seconds,
@@ -276,6 +273,17 @@ class Registry:
                 log.info("version %s in this worker: %s", name, model.engine.as_parameters())
             self.snapshot = dataclasses.replace(snap, versions=versions)
 
+
+def _failed(spec: VersionSpec, old: VersionState | None, reason: str,
+            unexpected: Exception | None = None) -> VersionState:
+    """``spec`` failed to load for ``reason``, logged once (with the traceback of an ``unexpected``
+    error). A bad file never replaces a good one: a version that was serving keeps its previous file."""
+    if old is not None and old.ready:
+        reason = f"new file {spec.uri} not loaded, still serving {old.spec.uri}: {reason}"
+        log.error("version %s: %s", spec.name, reason, exc_info=unexpected)
+        return VersionState(old.spec, FAILED, old.model, reason, old.memory_bytes)
+    log.error("version %s failed to load: %s", spec.name, reason, exc_info=unexpected)
+    return VersionState(spec, FAILED, None, reason)
 
 
 def _routed(config: RuntimeConfig, versions: dict[str, VersionState], weights: dict[str, int],

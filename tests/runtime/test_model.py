@@ -168,3 +168,37 @@ def test_a_worker_forked_after_loading_runs_the_model_without_hanging(examples_d
             raise AssertionError("the forked child hung in forward")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def two_versions(v2_uri: str, weights: dict[str, int]) -> RuntimeConfig:
+    return parse_config({"model": "scorer", "stable": "v1", "weights": weights,
+                         "versions": [{"name": "v1", "uri": "v1.mnn"}, {"name": "v2", "uri": v2_uri}]})
+
+
+def test_an_unforeseen_error_while_loading_fails_that_version_only_and_is_logged_with_its_traceback(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug, or an engine error no handler foresaw, must not refuse the whole config (weights,
+    rollbacks) nor stop the pod: it fails the version whose file raised it, like a bad file."""
+    load = LoadedModel.load
+
+    def buggy(path: Path, *args: object, **kwargs: object) -> LoadedModel:
+        if path.name == "v2-bug.mnn":
+            raise RuntimeError("an engine error nobody foresaw")
+        return load(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LoadedModel, "load", buggy)
+    (model_dir / "v2-bug.mnn").write_bytes((model_dir / "v2.mnn").read_bytes())
+    registry = Registry(two_versions("v2.mnn", {"v1": 90, "v2": 10}), model_dir, RuntimeMetrics("scorer"))
+    with caplog.at_level("ERROR", logger="mnn_runtime.registry"):
+        registry.apply(two_versions("v2-bug.mnn", {"v1": 100, "v2": 0}))  # a rollback that ships it
+    v2 = registry.snapshot.versions["v2"]
+    assert registry.snapshot.weights == {"v1": 100, "v2": 0}
+    assert v2.state == "failed" and v2.ready and v2.spec.uri == "v2.mnn"  # the old file keeps serving
+    assert "RuntimeError: an engine error nobody foresaw" in (v2.reason or "")
+    logged = [r for r in caplog.records if "v2-bug.mnn" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    started = Registry(two_versions("v2-bug.mnn", {"v1": 100, "v2": 0}), model_dir, RuntimeMetrics("scorer"))
+    v2 = started.snapshot.versions["v2"]
+    assert started.snapshot.versions["v1"].ready and v2.state == "failed" and not v2.ready
+    assert v2.reason == ("model file v2-bug.mnn could not be loaded: RuntimeError: an engine error nobody foresaw "
+                         "(an unexpected error: its traceback is in the runtime's log)")
