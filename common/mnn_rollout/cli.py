@@ -264,9 +264,13 @@ def main(argv: list[str] | None = None, prog: str = "mnn-rollout", commands: dic
 
 
 def plugin_main(argv: list[str] | None = None) -> int:
-    """``kubectl mnn-rollout ...`` (the console script kubectl-mnn_rollout): the control commands."""
+    """``kubectl mnn-rollout ...`` (the console script kubectl-mnn_rollout): the control commands,
+    with ``-n NAMESPACE`` before the command too, as kubectl takes it."""
+    from rollout_operator.ctl import namespace_after_command
+
     table = {name: cmd for name, cmd in COMMANDS.items() if name in CTL_COMMANDS}
-    return main(argv, prog="kubectl mnn-rollout", commands=table)
+    return main(namespace_after_command(sys.argv[1:] if argv is None else argv), prog="kubectl mnn-rollout",
+                commands=table)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ def test_the_kubectl_plugin_steers_a_rollout_and_reports_it(cluster: Cluster) ->
         assert "✔ v2" in tree and "Ready" in tree
         assert "├─ pods (2)" in tree and tree.count("scorer-runtime-") == 2
         assert "scorer" in plugin(cluster, "list").stdout
+        assert "default/scorer  phase Paused" in plugin(cluster, "-n", "default", "status", "scorer").stdout  # as kubectl
         promoted = plugin(cluster, "promote", "scorer")  # it waits for the operator's answer and prints it
         assert "modeldeployment.mnnrollout.io/scorer promote: applied" in promoted.stdout
         wait_for(lambda: cluster.status()["canaryWeight"] == 40, 20, "promote -> step 2")
