@@ -207,8 +207,9 @@ class Registry:
                     and spec.name not in (config.stable_version, config.shadow_version)):  # shadow: loaded here
                 versions[spec.name] = dataclasses.replace(old, spec=spec)  # stays unloaded until asked for
             elif old is not None and same_file(old.spec, spec) and old.ready:
-                # same file: keep the loaded model, take the rest of the spec (batching) as given
-                versions[spec.name] = dataclasses.replace(old, spec=spec) if old.state == READY else old
+                # The file it serves (a failed or pending new file reverted): keep the loaded model,
+                # take the rest of the spec (batching) as given, and it is ready again.
+                versions[spec.name] = dataclasses.replace(old, spec=spec, state=READY, reason=None)
             elif not self.load_new:
                 if old is not None and old.model is not None:
                     versions[spec.name] = VersionState(old.spec, PENDING, old.model,

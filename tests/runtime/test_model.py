@@ -202,3 +202,27 @@ def test_an_unforeseen_error_while_loading_fails_that_version_only_and_is_logged
     assert started.snapshot.versions["v1"].ready and v2.state == "failed" and not v2.ready
     assert v2.reason == ("model file v2-bug.mnn could not be loaded: RuntimeError: an engine error nobody foresaw "
                          "(an unexpected error: its traceback is in the runtime's log)")
+
+
+def test_naming_again_the_file_a_version_still_serves_makes_it_ready_again(model_dir: Path) -> None:
+    """Good file, bad file, good file again: the version never stopped serving the good file, so
+    it is ready with no reason, as /status shows it, and idle offload (which takes ready versions
+    only) applies to it again. The same in a worker, where the new file was pending."""
+    from mnn_runtime.dataplane import DataPlane
+
+    (model_dir / "bad.mnn").write_text("this is not a model\n")
+    registry = Registry(two_versions("v2.mnn", {"v1": 100, "v2": 0}), model_dir, RuntimeMetrics("scorer"))
+    registry.apply(two_versions("bad.mnn", {"v1": 100, "v2": 0}))
+    assert registry.snapshot.versions["v2"].state == "failed"
+    registry.apply(two_versions("v2.mnn", {"v1": 100, "v2": 0}))
+    status = DataPlane(registry, RuntimeMetrics("scorer")).model_status("scorer")["versions"]["v2"]
+    assert {k: status[k] for k in ("ready", "state", "reason", "uri")} == {
+        "ready": True, "state": "ready", "reason": None, "uri": "v2.mnn"}
+    assert registry.offload(["v2"], "idle") == ["v2"]
+    worker = Registry(two_versions("v2.mnn", {"v1": 100, "v2": 0}), model_dir, RuntimeMetrics("scorer"))
+    worker.load_new = False  # as in a worker of serve --workers: the supervisor loads new files
+    worker.apply(two_versions("v2-other.mnn", {"v1": 100, "v2": 0}))
+    assert worker.snapshot.versions["v2"].state == "pending"
+    worker.apply(two_versions("v2.mnn", {"v1": 100, "v2": 0}))
+    v2 = worker.snapshot.versions["v2"]
+    assert v2.state == "ready" and v2.reason is None and v2.ready
