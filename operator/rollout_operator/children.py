@@ -28,7 +28,7 @@ from mnn_rollout.contract.config import (CONFIG_KEY, DEFAULT_MODEL_CACHE, DOWNLO
 from mnn_rollout.contract.routing import RoutingTable, decode
 
 from .spec import (DEFAULT_IMAGE, MODEL_CACHE_DIR, MODEL_CACHE_VOLUME, AutoscalingSpec, ModelDeploymentSpec,
-                   ModelSourceSpec, cpu_quantity)
+                   ModelSourceSpec, clean_dir, cpu_quantity, holds)
 
 GROUP = "mnnrollout.io"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
@@ -273,13 +273,15 @@ def download_cache_is_the_pods(spec: ModelDeploymentSpec) -> bool:
 
 def cache_mounts(spec: ModelDeploymentSpec) -> list[tuple[str, str]]:
     """(volume name, path) of an emptyDir for each distinct ``versions[].engine.cacheDir`` that no
-    mount holds already (the runtime's /tmp, the user's ``runtime.volumeMounts`` or another cache
-    directory): one the user mounted stays theirs (a PersistentVolumeClaim keeps the cache across
-    pods; an emptyDir keeps it across container restarts)."""
-    mounted = ["/tmp", *(str(m.get("mountPath", "")) for m in spec.runtime.volume_mounts)]
+    mount holds already (the runtime's /tmp, the download cache of ``modelSource``, the user's
+    ``runtime.volumeMounts`` or another cache directory), so no two mounts share a path: one the
+    user mounted stays theirs (a PersistentVolumeClaim keeps the cache across pods; an emptyDir
+    keeps it across container restarts). The spec's validation refuses a cacheDir that would hide
+    a model file or is the download cache."""
+    mounted = spec.pod_mounts()
     out: list[tuple[str, str]] = []
-    for path in sorted({v.engine.cache_dir.rstrip("/") for v in spec.versions if v.engine and v.engine.cache_dir}):
-        if any(_holds(m, path) for m in mounted):
+    for path in sorted({clean_dir(v.engine.cache_dir) for v in spec.versions if v.engine and v.engine.cache_dir}):
+        if any(holds(m, path) for m in mounted):
             continue
         out.append((f"mnn-cache-{hashlib.sha256(path.encode()).hexdigest()[:8]}", path))
         mounted.append(path)

@@ -53,6 +53,17 @@ RESERVED_VOLUME = "tmp"  # the runtime's own emptyDir at /tmp (its root filesyst
 MODEL_CACHE_VOLUME, MODEL_CACHE_DIR = "model-cache", "/var/cache/mnn-rollout"
 
 
+def clean_dir(path: str) -> str:
+    """``path`` as a mount path, without '.', repeated or trailing '/' (cacheDir is absolute, with no '..')."""
+    return "/" + "/".join(part for part in path.split("/") if part not in ("", "."))
+
+
+def holds(mount: str, path: str) -> bool:
+    """Whether a volume mounted at ``mount`` holds ``path`` (both clean: see ``clean_dir``), a mount
+    at the root aside."""
+    return mount != "/" and (path == mount or path.startswith(mount + "/"))
+
+
 @functools.cache
 def _pod_field_validators() -> dict[str, Any]:
     """A JSON-schema validator per pass-through field, from the Kubernetes schemas in
@@ -381,6 +392,7 @@ class ModelDeploymentSpec(_Model):
                              f"strategy.analysis.interval ({self.strategy.analysis.interval}): no step could ever "
                              "be analysed before the deadline")
         self._threads_fit_the_cpu_limit()
+        self._cache_dirs_fit_the_pod()
         return self
 
     def _experiment_fits(self, experiment: ExperimentSpec) -> None:
@@ -410,6 +422,35 @@ class ModelDeploymentSpec(_Model):
                 f"versions.{index}.engine.threads: {threads} (version {self.versions[index].name!r}) x {given} = "
                 f"{workers * threads} threads, more than runtime.resources.limits.cpu {cpu!r} allows ({cpus_text}, "
                 "rounded up); lower the threads or runtime.workers, or raise the CPU limit")
+
+    def pod_mounts(self) -> list[str]:
+        """The paths mounted in the runtime container whatever the cacheDirs: its /tmp, with
+        ``modelSource`` the download cache, and ``runtime.volumeMounts``."""
+        own = ["/tmp", *([MODEL_CACHE_DIR] if self.model_source is not None else [])]
+        return [*own, *(clean_dir(str(m.get("mountPath") or "/")) for m in self.runtime.volume_mounts)]
+
+    def _cache_dirs_fit_the_pod(self) -> None:
+        """A cacheDir no mount holds gets an emptyDir of its own (``children.cache_mounts``). It may
+        not be in the download cache (at its path: two mounts at one, refused by the API server), nor hide
+        a version's model file (be its directory or a parent of it, with no deeper mount holding it)."""
+        mounts = self.pod_mounts()
+        models = [(v.name, clean_dir(str(v.path()))) for v in self.versions if not v.remote and v.path().is_absolute()]
+        for i, version in enumerate(self.versions):
+            if version.engine is None or version.engine.cache_dir is None:
+                continue
+            given, path = version.engine.cache_dir, clean_dir(version.engine.cache_dir)
+            field = f"versions.{i}.engine.cacheDir: {given!r}"
+            if self.model_source is not None and holds(MODEL_CACHE_DIR, path):
+                raise ValueError(f"{field} is in {MODEL_CACHE_DIR}, where the runtime downloads remote versions (an "
+                                 "emptyDir mounted for spec.modelSource); valid: a directory outside it, e.g. "
+                                 "/var/cache/mnn")
+            if any(holds(m, path) for m in mounts):
+                continue  # the cache goes in that volume: no emptyDir is mounted
+            for name, model in models:
+                if holds(path, model) and not any(holds(m, model) and len(m) > len(path) for m in mounts):
+                    raise ValueError(f"{field} holds the model file {model!r} of version {name!r}: the empty volume "
+                                     "mounted there for the compile cache would hide it; valid: a directory that holds "
+                                     "no model file, e.g. /var/cache/mnn")
 
     def max_threads(self) -> int:
         """The most CPU threads one forward of any version uses (``versions[].engine.threads``)."""

@@ -5,6 +5,7 @@ one Warning Event per change."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,59 @@ def test_each_cache_dir_gets_an_empty_dir_unless_a_mount_holds_it_already() -> N
     assert volumes[mounts["/var/cache/mnn"]] == {"name": mounts["/var/cache/mnn"], "emptyDir": {}}
     assert volumes["mine"]["persistentVolumeClaim"] == {"claimName": "cache"}  # left as the user made it
     assert pod_volumes(parse_spec(spec(None)))[0].keys() == {"/tmp"}  # no cacheDir: nothing new
+
+
+REMOTE = {"name": "v9", "uri": "https://example.com/v9.mnn", "sha256": "a" * 64}
+USER_MOUNT = {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+              "volumeMounts": [{"name": "models", "mountPath": "/data/models"}]}
+
+
+def cached(cache_dir: str, v2_uri: str = "/models/v2.mnn", **fields: Any) -> dict[str, Any]:
+    """v1 at /models/v1.mnn with its compile cache at ``cache_dir``, v2 at ``v2_uri``."""
+    return {"versions": [{"name": "v1", "uri": "/models/v1.mnn", "engine": {"cacheDir": cache_dir}},
+                         {"name": "v2", "uri": v2_uri}], **fields}
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    # the download cache of spec.modelSource: two volumeMounts at one mountPath, refused by the API server
+    *((cached(d, modelSource={}),
+       f"spec.versions.0.engine.cacheDir: {d!r} is in /var/cache/mnn-rollout, where the runtime downloads")
+      for d in ("/var/cache/mnn-rollout", "/var/cache/mnn-rollout/", "/var/cache/mnn-rollout/compile")),
+    # an emptyDir over the models: every version would fail to load
+    *((cached(d), f"spec.versions.0.engine.cacheDir: {d!r} holds the model file '/models/v1.mnn' of version 'v1'")
+      for d in ("/models", "/models/", "//models/.")),
+    (cached("/data", "file:///data/v2/v2.mnn"),
+     "spec.versions.0.engine.cacheDir: '/data' holds the model file '/data/v2/v2.mnn' of version 'v2'"),
+])
+def test_a_cache_dir_that_would_break_the_pod_is_refused_naming_it_and_the_clashing_path(
+        raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec(raw)
+
+
+@pytest.mark.parametrize(("raw", "emptydir"), [
+    (cached("/var/cache/mnn-rollout"), "/var/cache/mnn-rollout"),  # no modelSource: nothing is mounted there
+    (cached("/models/cache"), "/models/cache"),  # inside the models' directory, hiding none of them
+    (cached("/data", "/data/models/v2.mnn", runtime=USER_MOUNT), "/data"),  # v2's deeper mount stays on top
+    (cached("/data/models", "/data/models/v2.mnn", runtime=USER_MOUNT), None),  # in the user's volume: no emptyDir
+    (cached("/tmp/mnn"), None),  # in the runtime's own /tmp
+])
+def test_a_cache_dir_that_hides_no_model_is_accepted_and_mounted_once(raw: dict[str, Any],
+                                                                       emptydir: str | None) -> None:
+    parsed = parse_spec(raw)
+    config = children.runtime_config(parsed, "scorer", {"v1": 100}, "v1", ["v1", "v2"])
+    container = children.render_deployment(TARGET, parsed, config)["spec"]["template"]["spec"]["containers"][0]
+    paths = [m["mountPath"] for m in container["volumeMounts"]]
+    assert len(paths) == len(set(paths))
+    assert [path for _, path in children.cache_mounts(parsed)] == ([emptydir] if emptydir else [])
+
+
+def test_the_pod_never_gets_two_mounts_at_one_path_even_from_a_spec_that_skipped_validation() -> None:
+    parsed = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}, REMOTE], "modelSource": {}})
+    engine = EngineSpec(cacheDir="/var/cache/mnn-rollout/")  # type: ignore[call-arg]
+    unchecked = parsed.model_copy(update={"versions": [parsed.versions[0].model_copy(update={"engine": engine}),
+                                                       parsed.versions[1]]})
+    assert children.cache_mounts(unchecked) == []  # the download cache's emptyDir holds it
 
 
 def observed(*engines: dict[str, Any] | None) -> Observation:
