@@ -108,7 +108,7 @@ def test_delete_removes_the_finalizer_and_garbage_collects_every_child(cluster: 
                            "uid": uid, "controller": True, "blockOwnerDeletion": True}]
     role = cluster.emu.request("GET", children["roles"])[1]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["scorer-routing"],
-                              "verbs": ["get", "list", "watch"]}]
+                              "verbs": ["get", "watch"]}]
     cluster.emu.kubectl("delete", "md", "scorer", "--timeout=30s")
     assert cluster.emu.request("GET", f"{MD_PATH}/scorer")[0] == 404
     for path in children.values():
