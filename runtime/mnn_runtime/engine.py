@@ -55,6 +55,10 @@ GPU_MODE = 4  # MNN_GPU_TUNING_WIDE: MNN's default numThread, read as the GPU mo
 _MISSING = re.compile(r"Can't Find type=\d+ backend")
 
 _lock = threading.RLock()
+# Held while fd 1 is redirected (``native_output``): fd 1 is the process's, so two redirects at once
+# (two versions loading on two threads) would take each other's messages and leave fd 1 on a
+# deleted file. Taken after ``_lock`` (``_create`` runs under it), never before it.
+_native_lock = threading.RLock()
 _fork_parent = False
 _pool_threads = 1  # the size of MNN's thread pool in this process (1: not started)
 _pool_owner: list[Any] = []  # the manager that started it
@@ -320,9 +324,10 @@ def _create(config: dict[str, Any]) -> tuple[Any, bool]:
 @contextlib.contextmanager
 def native_output(echo: bool = False) -> Iterator[list[str]]:
     """The lines MNN's C++ code prints to fd 1 meanwhile (it reports missing backends and weight
-    files only there), kept from the process's stdout unless ``echo``."""
+    files only there), kept from the process's stdout unless ``echo``. One thread at a time: a
+    second waits until the first has put fd 1 back (a load waits for another's native part)."""
     lines: list[str] = []
-    with tempfile.TemporaryFile(mode="w+b") as sink:
+    with _native_lock, tempfile.TemporaryFile(mode="w+b") as sink:
         saved = os.dup(1)
         try:
             os.dup2(sink.fileno(), 1)

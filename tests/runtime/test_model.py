@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -93,22 +94,74 @@ def test_a_sha256_mismatch_is_reported_with_both_digests(tmp_path: Path, example
         LoadedModel.load(path, sha256="0" * 64)
 
 
-def test_a_missing_external_weight_file_is_reported(tmp_path: Path) -> None:
+def external_weights_model(folder: Path) -> Path:
+    """The example scorer converted with its weights in ``ext.mnn.weight`` beside ``ext.mnn``."""
     from mnn_runtime.convert import _run_converter
     from mnn_runtime.examples import EXAMPLES, scorer_onnx
 
     import onnx
 
-    src = tmp_path / "v1.onnx"
+    src = folder / "v1.onnx"
     onnx.save(scorer_onnx(EXAMPLES[0]), src)
-    dst = tmp_path / "ext.mnn"
+    dst = folder / "ext.mnn"
     _run_converter(["MNNConvert", "-f", "ONNX", "--modelFile", str(src), "--MNNModel", str(dst),
                     "--saveExternalData"])
-    assert (tmp_path / "ext.mnn.weight").is_file()
+    assert (folder / "ext.mnn.weight").is_file()
+    return dst
+
+
+def test_a_missing_external_weight_file_is_reported(tmp_path: Path) -> None:
+    dst = external_weights_model(tmp_path)
     LoadedModel.load(dst)  # loads with its weight file
     (tmp_path / "ext.mnn.weight").unlink()
     with pytest.raises(ModelLoadError, match=r"needs a file that cannot be opened: .*ext\.mnn\.weight"):
         LoadedModel.load(dst)
+
+
+def test_two_loads_at_once_each_read_their_own_mnn_messages_and_leave_fd_1_as_it_was(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two offloaded versions loaded again at once (two pinned requests): MNN reports a missing
+    weight file only on fd 1, which a load points at a file of its own meanwhile (process-wide).
+    Forced here: ``ext`` (its weight file gone) starts its load first, ``v2`` (good) starts its own
+    before ext's ends and ends after it. Loads that overlapped there gave ext's message to v2 (v2
+    failed, ext served zeros) and left fd 1 on ext's deleted file for good (stdout lost)."""
+    import MNN.nn as nn
+
+    ext = external_weights_model(model_dir)
+    config = parse_config({"model": "scorer", "stable": "v1", "weights": {"v1": 100, "ext": 0, "v2": 0},
+                           "versions": [{"name": n, "uri": f"{n}.mnn"} for n in ("v1", "ext", "v2")]})
+    registry = Registry(config, model_dir, RuntimeMetrics("scorer"))
+    assert sorted(registry.offload(["ext", "v2"], "idle")) == ["ext", "v2"]
+    (model_dir / "ext.mnn.weight").unlink()
+    ext_loading, v2_loading, ext_loaded = threading.Event(), threading.Event(), threading.Event()
+    load = nn.load_module_from_file
+
+    def interleaved(path: str, *args: object, **kwargs: object) -> object:
+        if path == str(ext):  # waits (at most 1 s: a serialised v2 cannot start) for v2 to start its load
+            ext_loading.set()
+            v2_loading.wait(1.0)
+        elif path == str(model_dir / "v2.mnn"):
+            v2_loading.set()
+            ext_loaded.wait(10)  # and ends after ext's load
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(nn, "load_module_from_file", interleaved)
+    fd_1, before = os.dup(1), os.fstat(1)
+    try:
+        ext_reload = registry.reload("ext")
+        assert ext_loading.wait(10)
+        v2_reload = registry.reload("v2")
+        ext_reload.result(10)
+        ext_loaded.set()
+        v2_reload.result(10)
+        after = os.fstat(1)
+    finally:
+        os.dup2(fd_1, 1)  # stdout back for the other tests, whatever happened
+        os.close(fd_1)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    versions = registry.snapshot.versions
+    assert versions["v2"].state == "ready", versions["v2"].reason
+    assert versions["ext"].state == "failed" and "ext.mnn.weight" in (versions["ext"].reason or "")
 
 
 def test_concurrent_requests_each_get_their_own_output(examples_dir: Path) -> None:
