@@ -4,14 +4,16 @@ of an experiment), evaluate."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from . import experiment
-from .verdicts import Analysis, Sample, evaluate
+from .verdicts import INCONCLUSIVE, Analysis, Sample, evaluate
 from .observe import Observation
 from .providers.base import SampleContext
 from .providers.factory import ProviderFactory
 from .spec import ModelDeploymentSpec
+from .strategy import MetricSpec
 from .status import Phase, RolloutStatus, epoch
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,23 @@ class Analyzer:
             log.exception("provider failed for %s/%s", meta["namespace"], meta["name"])
             samples = {v: Sample(error=f"provider failed: {exc}") for v in versions}
         if spec.experiment is not None:
-            return experiment.evaluate(spec, status, samples, now)
-        return evaluate(analysis, samples.get(canary, Sample(error="no sample")), samples.get(stable), now,
-                        step=status.current_step or 0, shadow=shadow, sequential=status.sequential)
+            look = experiment.evaluate(spec, status, samples, now)
+        else:
+            look = evaluate(analysis, samples.get(canary, Sample(error="no sample")), samples.get(stable), now,
+                            step=status.current_step or 0, shadow=shadow, sequential=status.sequential)
+        refusing = [p.name for p in observation.answering if (p.status or {}).get("feedback") is False]
+        unfed = reads_feedback(metrics) if refusing and look.verdict == INCONCLUSIVE else []
+        if unfed:  # held for want of feedback no pod takes: say so (an upgrade from a runtime without a token)
+            who = f"{refusing[0]} and {len(refusing) - 1} more pods refuse" if len(refusing) > 1 else \
+                f"{refusing[0]} refuses"
+            look = replace(look, message=f"{look.message}; {', '.join(unfed)} read feedback, which {who} without a "
+                                         "token: set spec.runtime.feedback")
+        return look
+
+
+def reads_feedback(metrics: list[MetricSpec]) -> list[str]:
+    """The metrics that read the runtime's feedback counters (``mnn_feedback_*``)."""
+    def series(m: MetricSpec) -> list[str]:
+        return [s.name for s in m.role_series().values()] if m.is_compare else [m.metric or ""]
+
+    return [m.name for m in metrics if any(name.startswith("mnn_feedback") for name in series(m))]

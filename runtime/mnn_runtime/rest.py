@@ -153,8 +153,8 @@ class V2Endpoints:
         )
 
     async def model_status(self, model_name: str) -> Response:
-        try:
-            return _obj(self.dataplane.model_status(model_name))
+        try:  # ``feedback``: whether this runtime takes feedback (it has a token)
+            return _obj({**self.dataplane.model_status(model_name), "feedback": self.feedback_token is not None})
         except InferenceError as exc:
             return _error(exc)
 

@@ -22,7 +22,7 @@ from rollout_operator.providers.factory import ProviderFactory
 from rollout_operator.spec import ModelDeploymentSpec
 from rollout_operator.status import Phase, RolloutStatus, iso
 from rollout_operator.strategy import AnalysisSpec, MetricSpec
-from rollout_operator.verdicts import FAIL, PASS, Analysis, evaluate
+from rollout_operator.verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, evaluate
 from testbed.promstack import GOOD_BODY
 from tests.runtime.test_metrics import samples
 from tests.runtime_server import FEEDBACK_AUTH, RuntimeServer
@@ -190,3 +190,24 @@ def test_the_first_look_after_a_shadow_step_counts_only_its_own_interval(pods: d
     feedback(url, [(canary[0], 1.0), (canary[1], 0.0), (stable[0], 0.0), (stable[1], 1.0), (stable[2], 0.0)])
     strata = (look(False).sequential or {})["conversion"]["strata"]
     assert strata == [{"step": 1, "canary": {"n": 2.0, "sum": 1.0}, "stable": {"n": 3.0, "sum": 1.0}}]  # not 9 of 11
+
+
+def test_a_look_held_for_feedback_the_pods_refuse_says_so(pods: dict[str, RuntimeServer]) -> None:
+    """Pods without a feedback token (an upgrade from a runtime that took feedback without one)
+    count none: a compare metric on the feedback counters holds, and the look says why."""
+    url = pods["v2"].url
+    host, port = url.removeprefix("http://").split(":")
+    spec = ModelDeploymentSpec.model_validate({
+        "versions": [{"name": "v1", "uri": "file:///m/v1.mnn"}, {"name": "v2", "uri": "file:///m/v2.mnn"}],
+        "stable": "v1", "canary": "v2", "strategy": {"steps": [{"weight": 10, "pause": "1m"}], "analysis": {
+            "interval": "10s", "metrics": [{"name": "conversion", "compare": "stable", "margin": 0.01}]}}})
+    body = {"metadata": {"uid": "uid-refused", "namespace": "default", "name": "scorer"}}
+    status = RolloutStatus(phase=Phase.PROGRESSING, stable_version="v1", canary_version="v2", canary_weight=10,
+                           current_step=0, rollout_started_at=1.0, step_started_at=1.0)
+    analyzer = Analyzer(ProviderFactory())
+    for takes, said in ((False, True), (True, False), (None, False)):  # None: a runtime that does not say
+        seen = Observation([PodView("pod-a", host, int(port), True, {} if takes is None else {"feedback": takes})])
+        look = analyzer(spec, status, body, seen, 100.0)
+        assert look is not None and look.verdict == INCONCLUSIVE, look
+        assert ("conversion read feedback, which pod-a refuses" in look.message) == said, look.message
+        assert ("set spec.runtime.feedback" in look.message) == said

@@ -149,6 +149,7 @@ def test_a_feedback_token_is_required_when_the_runtime_has_one(model_dir: Path, 
     server.start()
     try:
         rid, _ = infer(server.url, "user-1")
+        assert httpx.get(server.url + "/v2/models/scorer/status").json()["feedback"] is True
         for token in (None, "wrong"):
             r = feedback(server.url, {"id": rid, "value": 1}, token)
             assert r.status_code == 401 and r.headers["WWW-Authenticate"].startswith("Bearer"), r.text
@@ -164,6 +165,7 @@ def test_without_a_token_feedback_is_refused_saying_how_to_give_one(examples_dir
 
     async def post() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=runtime.app), base_url="http://t") as c:
+            assert (await c.get("/v2/models/scorer/status")).json()["feedback"] is False  # the operator reads it
             rid = (await c.post("/v2/models/scorer/infer", json=BODY)).json()["id"]
             return await c.post("/v2/models/scorer/feedback", json={"id": rid, "value": 1},
                                 headers={"Authorization": "Bearer anything"})
