@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,8 @@ from .codec import TensorSpec
 from . import engine
 from .engine import EngineInfo, Runtime, default_info, open_runtime
 from .errors import BadRequest, InferenceFailed
+
+log = logging.getLogger(__name__)
 
 # Input dtypes MNN's F.const takes correctly (float64 and int64 inputs are silently misread).
 _MNN_TO_OIP = {"float": "FP32", "int": "INT32", "uint8": "UINT8"}
@@ -199,7 +202,9 @@ class LoadedModel:
         """In a worker just forked: this version on its own engine. ``self`` (shared with the
         supervisor) unless it was loaded on a fork-safe stand-in (``engine.per_process``); then it
         is loaded again here, or, when the engine it gets here is the stand-in's (a GPU backend
-        this node lacks, one thread), shared as it is. A load that fails keeps the stand-in."""
+        this node lacks, one thread), shared as it is. A load that fails keeps the stand-in, whatever
+        the error: one no handler foresaw (a bug, an MNN error type) is logged with its traceback,
+        never raised (it would stop the worker at start, and each worker the supervisor starts again)."""
         if not self.engine.per_process:
             return self
         try:
@@ -208,10 +213,15 @@ class LoadedModel:
                 return self._on(runtime.info)
             return LoadedModel.load(self.path, self.sha256, spec.warmup_shapes, spec.engine, spec.name)
         except ModelLoadError as exc:
-            return self._on(dataclasses.replace(
-                self.engine, per_process=False,
-                reason=f"could not be loaded again in this worker ({exc.reason}): serves the supervisor's copy "
-                       "on CPU with 1 thread"))
+            reason = exc.reason
+        except Exception as exc:  # noqa: BLE001 - a bug or an engine error not foreseen keeps the stand-in
+            reason = f"{type(exc).__name__}: {exc}, an unexpected error: its traceback is in the runtime's log"
+            log.error("version %s could not be loaded again in this worker: %s: %s", spec.name, type(exc).__name__,
+                      exc, exc_info=exc)
+        return self._on(dataclasses.replace(
+            self.engine, per_process=False,
+            reason=f"could not be loaded again in this worker ({reason}): serves the supervisor's copy on CPU with "
+                   "1 thread"))
 
     def _on(self, engine: EngineInfo) -> LoadedModel:
         """The same module and weights, described as running on ``engine``."""

@@ -155,6 +155,35 @@ def test_a_process_that_will_fork_loads_threaded_and_gpu_versions_on_a_one_threa
     assert model.engine.reason is not None and "each worker loads it" in model.engine.reason
 
 
+def test_an_unforeseen_error_loading_again_in_a_worker_keeps_the_stand_in_and_is_logged_with_its_traceback(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker just forked loads a threaded version again (``load_per_process``); an error no
+    handler foresaw (a bug, an MNN error type) must not kill the worker at start, which the
+    supervisor would respawn into the same death for good: it serves the supervisor's copy, as
+    after a ModelLoadError, and the error is logged with its traceback."""
+    engine.fork_parent(True)  # the supervisor of serve --workers
+    try:
+        registry = _registry(model_dir, [{"name": "v1", "uri": "v1.mnn", "engine": {"threads": 2}}])
+    finally:
+        engine.fork_parent(False)
+    stand_in = registry.snapshot.versions["v1"].model
+    assert stand_in is not None and stand_in.engine.per_process
+
+    def buggy(*args: object, **kwargs: object) -> LoadedModel:
+        raise RuntimeError("an engine error nobody foresaw")
+
+    monkeypatch.setattr(LoadedModel, "load", buggy)
+    with caplog.at_level("ERROR", logger="mnn_runtime.model"):
+        registry.load_per_process()  # in the worker
+    v1 = registry.snapshot.versions["v1"]
+    assert v1.ready and v1.model is not None and v1.model.engine.per_process is False
+    assert (v1.model.engine.backend, v1.model.engine.threads) == ("CPU", 1)
+    assert "RuntimeError: an engine error nobody foresaw" in (v1.model.engine.reason or "")
+    np.testing.assert_array_equal(v1.model.infer([X])[0], stand_in.infer([X])[0])
+    logged = [r for r in caplog.records if "nobody foresaw" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+
+
 def _serve(model_dir: Path, start_server: Any, workers: int) -> RuntimeServer:
     config = {
         "model": "scorer", "stable": "v1", "weights": {"v1": 50, "v2": 50},
