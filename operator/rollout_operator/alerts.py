@@ -10,25 +10,31 @@ removes that alert's mark when Alertmanager reports it resolved (another alert s
 its own: a retried canary is rolled back again while any fires); each write carries the object's
 resourceVersion, so two webhook calls at once never lose a mark; the replica that holds the peering lease
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
-missing or wrong bearer token 401, and neither changes anything. A connection idle for ``idle_timeout_s``
-is closed, and at most ``max_connections`` are served at once (one more is answered 503 and closed), so
-idle or slow clients cannot hold the operator's threads.
+missing or wrong bearer token 401, and neither changes anything. A connection has ``idle_timeout_s`` from
+its accept to send its whole request (request line, headers, body; a byte at a time does not extend it)
+or is closed, and at most ``max_connections`` are served at once (one more is answered 503 and closed),
+so idle or slow clients cannot hold the operator's threads for longer than that.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .kube import ApiError, KubeClient
 from .reconcile import ALERT_ANNOTATION, ALERT_MARK_SEPARATOR
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20
@@ -209,10 +215,39 @@ def marked_by(kube: KubeClient, prefix: str, namespace: str | None,
     return [md for md in list_modeldeployments(kube, scope) if any(_of(m, prefix) for m in marks_of(md))]
 
 
+class RequestReader(io.RawIOBase):
+    """A connection's reads, each timed out at what is left of ``seconds`` from the accept: a per-read
+    timeout let a client sending a byte every few seconds hold its connection (and a slot) for good."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock, self.seconds = sock, seconds
+        self.deadline = time.monotonic() + seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not received within {self.seconds:g} s")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.seconds)  # for the writes (the reply)
+
+
 def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None,
                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> type:
     class Handler(BaseHTTPRequestHandler):
-        timeout = idle_timeout_s  # each read on the connection; a read that times out closes it
+        timeout = idle_timeout_s  # each write; the reads share one deadline (RequestReader)
+
+        def setup(self) -> None:
+            # HTTP/1.0 (protocol_version): one request per connection, closed once answered, so the
+            # deadline from the accept is the request's
+            super().setup()
+            self.rfile.close()  # the socket's own file: reads go through the deadline instead
+            self.rfile = io.BufferedReader(RequestReader(self.connection, idle_timeout_s))
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("webhook: " + fmt, *args)

@@ -17,7 +17,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rollout_operator.alerts import AlertWebhook, instance
+from rollout_operator.alerts import MAX_CONNECTIONS, AlertWebhook, instance
 from rollout_operator.kube import KubeClient
 from rollout_operator.reconcile import ALERT_ANNOTATION
 from testbed.k8s.harness import EmulatorProcess
@@ -482,6 +482,50 @@ def test_a_connection_over_the_cap_is_answered_503_at_once_and_a_freed_slot_serv
         socks[0].close()
         wait_until(lambda: healthz(hook) == 200, 5, "a connection served once one of the four closed")
     finally:
+        for sock in socks:
+            sock.close()
+        hook.stop()
+        hook.server.server_close()
+
+
+def test_connections_sending_a_byte_at_a_time_are_closed_at_the_timeout_and_alertmanager_is_served(
+        kube: KubeClient) -> None:
+    """Clients sending a byte every 0.2 s, each read well within the timeout, held their slots for
+    good: 64 of them (headers or a body, trickled) held every one, and Alertmanager's POST got 503 for
+    as long as they kept sending. The timeout is now for a connection's whole request, from its accept."""
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=1.0)
+    hook.start()
+    baseline = handler_threads()
+    socks: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.2):
+            for sock in socks:
+                try:
+                    sock.send(b"a")
+                except OSError:  # closed by the server
+                    pass
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    try:
+        for i in range(MAX_CONNECTIONS + 4):  # the last 4 over the cap: answered 503 at once
+            sock = socket.create_connection(("127.0.0.1", hook.port), timeout=5)
+            sock.sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\nX-" if i % 2 else
+                         b"POST /alerts HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
+                         + b"\r\nContent-Length: 100000\r\n\r\n{")
+            socks.append(sock)
+            time.sleep(0.005)  # a burst overflows the listen backlog (5): a connect then waits 1 s for a SYN resent
+        trickler.start()
+        started = time.monotonic()
+        wait_until(lambda: handler_threads() == baseline + MAX_CONNECTIONS, 5, "every slot held by a trickler")
+        while (status := post(hook, payload()).status_code) != 200:
+            # before the fix: 503 ("over 64 connections at once") for as long as the tricklers send
+            assert status == 503 and time.monotonic() - started < 5, (status, time.monotonic() - started)
+            time.sleep(0.1)
+        wait_until(lambda: handler_threads() == baseline, 5, "the tricklers' connections closed, their threads ended")
+    finally:
+        stop.set()
         for sock in socks:
             sock.close()
         hook.stop()
