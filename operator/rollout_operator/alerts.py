@@ -274,9 +274,13 @@ def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[st
             if not (given_length.isascii() and given_length.isdigit()):
                 return self._reply(400, {"error": f"Content-Length: {given_length!r} is not a whole number of "
                                                   f"bytes (0 to {MAX_BODY})"})
-            length = int(given_length)
+            digits = given_length.lstrip("0")
+            if len(digits) > 9:  # over MAX_BODY anyway; int() refuses over 4,300 digits (ValueError)
+                return self._reply(413, {"error": f"Content-Length: {len(digits)} digits, a body over "
+                                                  f"{MAX_BODY} bytes"})
+            length = int(digits or "0")
             if length > MAX_BODY:
-                return self._reply(413, {"error": f"body over {MAX_BODY} bytes"})
+                return self._reply(413, {"error": f"Content-Length: {length}, a body over {MAX_BODY} bytes"})
             try:
                 alerts = parse_payload(self.rfile.read(length))
             except PayloadError as exc:

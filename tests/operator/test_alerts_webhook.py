@@ -188,8 +188,16 @@ def test_a_content_length_that_is_not_a_whole_number_gets_400_naming_it_and_an_o
         error = json.loads(body)["error"]
         assert error.startswith(f"Content-Length: {given.decode('latin-1')!r} is not a whole number"), error
     reply = raw_post(webhook, str((1 << 20) + 1).encode())
-    assert reply.startswith(b"HTTP/1.0 413 ") and b"body over 1048576 bytes" in reply, reply
+    assert reply.startswith(b"HTTP/1.0 413 ") and b"Content-Length: 1048577, a body over 1048576 bytes" in reply
+    # int() refuses over 4,300 digits: before the fix, a traceback and no reply
+    for given in (b"9" * 5000, b"0" * 4 + b"1" * 4999, b"9" * 10):
+        reply = raw_post(webhook, given)
+        assert reply.startswith(b"HTTP/1.0 413 "), (given[:20], reply)
+        digits = len(given.lstrip(b"0"))
+        assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {
+            "error": f"Content-Length: {digits} digits, a body over 1048576 bytes"}
     assert raw_post(webhook, b" 14 ").startswith(b"HTTP/1.0 200 ")  # whitespace around it is allowed
+    assert raw_post(webhook, b"0" * 5000 + b"14").startswith(b"HTTP/1.0 200 ")  # and leading zeros, however many
     assert md_writes(emu) == writes and mark(kube) is None
 
 
