@@ -51,6 +51,8 @@ class RoutingSpec(_Model):
 RESERVED_VOLUME = "tmp"  # the runtime's own emptyDir at /tmp (its root filesystem is read-only)
 # with spec.modelSource: the emptyDir the runtime downloads remote model files into
 MODEL_CACHE_VOLUME, MODEL_CACHE_DIR = "model-cache", "/var/cache/mnn-rollout"
+# The image's own directories (Dockerfile): its Python (on PATH) and its example models.
+IMAGE_DIRS = ("/opt/venv", "/opt/mnn-rollout")
 
 
 def clean_dir(path: str) -> str:
@@ -430,9 +432,10 @@ class ModelDeploymentSpec(_Model):
         return [*own, *(clean_dir(str(m.get("mountPath") or "/")) for m in self.runtime.volume_mounts)]
 
     def _cache_dirs_fit_the_pod(self) -> None:
-        """A cacheDir no mount holds gets an emptyDir of its own (``children.cache_mounts``). It may
-        not be in the download cache (at its path: two mounts at one, refused by the API server), nor hide
-        a version's model file (be its directory or a parent of it, with no deeper mount holding it)."""
+        """A cacheDir no mount holds gets an emptyDir of its own (``children.cache_mounts``; one the
+        download cache of ``modelSource`` holds goes in that volume, whose pruning keeps files it did
+        not download). It may not hide a version's model file (be its directory or a parent of it,
+        with no deeper mount holding it), nor the image's own Python or example models."""
         mounts = self.pod_mounts()
         models = [(v.name, clean_dir(str(v.path()))) for v in self.versions if not v.remote and v.path().is_absolute()]
         for i, version in enumerate(self.versions):
@@ -440,12 +443,13 @@ class ModelDeploymentSpec(_Model):
                 continue
             given, path = version.engine.cache_dir, clean_dir(version.engine.cache_dir)
             field = f"versions.{i}.engine.cacheDir: {given!r}"
-            if self.model_source is not None and holds(MODEL_CACHE_DIR, path):
-                raise ValueError(f"{field} is in {MODEL_CACHE_DIR}, where the runtime downloads remote versions (an "
-                                 "emptyDir mounted for spec.modelSource); valid: a directory outside it, e.g. "
-                                 "/var/cache/mnn")
             if any(holds(m, path) for m in mounts):
                 continue  # the cache goes in that volume: no emptyDir is mounted
+            for own in IMAGE_DIRS:
+                if holds(path, own):
+                    raise ValueError(f"{field} would mount an empty volume over the image's {own} (its Python and "
+                                     "example models): the runtime could not start; valid: a directory outside it, "
+                                     "e.g. /var/cache/mnn")
             for name, model in models:
                 if holds(path, model) and not any(holds(m, model) and len(m) > len(path) for m in mounts):
                     raise ValueError(f"{field} holds the model file {model!r} of version {name!r}: the empty volume "

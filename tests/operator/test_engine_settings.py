@@ -149,10 +149,9 @@ def cached(cache_dir: str, v2_uri: str = "/models/v2.mnn", **fields: Any) -> dic
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    # the download cache of spec.modelSource: two volumeMounts at one mountPath, refused by the API server
-    *((cached(d, modelSource={}),
-       f"spec.versions.0.engine.cacheDir: {d!r} is in /var/cache/mnn-rollout, where the runtime downloads")
-      for d in ("/var/cache/mnn-rollout", "/var/cache/mnn-rollout/", "/var/cache/mnn-rollout/compile")),
+    # an emptyDir over the image's Python (on PATH) or its example models: the runtime could not start
+    *((cached(d), f"spec.versions.0.engine.cacheDir: {d!r} would mount an empty volume over the image's {own}")
+      for d, own in (("/opt", "/opt/venv"), ("/opt/venv", "/opt/venv"), ("/opt/mnn-rollout", "/opt/mnn-rollout"))),
     # an emptyDir over the models: every version would fail to load
     *((cached(d), f"spec.versions.0.engine.cacheDir: {d!r} holds the model file '/models/v1.mnn' of version 'v1'")
       for d in ("/models", "/models/", "//models/.")),
@@ -171,6 +170,9 @@ def test_a_cache_dir_that_would_break_the_pod_is_refused_naming_it_and_the_clash
     (cached("/data", "/data/models/v2.mnn", runtime=USER_MOUNT), "/data"),  # v2's deeper mount stays on top
     (cached("/data/models", "/data/models/v2.mnn", runtime=USER_MOUNT), None),  # in the user's volume: no emptyDir
     (cached("/tmp/mnn"), None),  # in the runtime's own /tmp
+    (cached("/opt/cache"), "/opt/cache"),  # beside the image's directories, hiding neither
+    # in the download cache of spec.modelSource: its volume holds it (its pruning keeps what it did not download)
+    *((cached(d, modelSource={}), None) for d in ("/var/cache/mnn-rollout", "/var/cache/mnn-rollout/compile")),
 ])
 def test_a_cache_dir_that_hides_no_model_is_accepted_and_mounted_once(raw: dict[str, Any],
                                                                        emptydir: str | None) -> None:
