@@ -12,8 +12,10 @@ resourceVersion, so two webhook calls at once never lose a mark; the replica tha
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
 missing or wrong bearer token 401, and neither changes anything. A connection has ``idle_timeout_s`` from
 its accept to send its whole request (request line, headers, body; a byte at a time does not extend it)
-or is closed, and at most ``max_connections`` are served at once (one more is answered 503 and closed),
-so idle or slow clients cannot hold the operator's threads for longer than that.
+or is closed, and at most ``max_connections`` are served at once: at the cap a new connection closes the
+oldest one whose bearer token has not checked out yet and is served in its place, so clients without the
+token cannot keep Alertmanager out by reconnecting; only when every slot holds a connection whose token
+checked out is one more answered 503 and closed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20
 IDLE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
+EVICTED_THREADS = 8  # threads of closed-for-a-newer-one connections still ending, beyond max_connections
 
 
 class PayloadError(ValueError):
@@ -217,11 +220,13 @@ def marked_by(kube: KubeClient, prefix: str, namespace: str | None,
 
 class RequestReader(io.RawIOBase):
     """A connection's reads, each timed out at what is left of ``seconds`` from the accept: a per-read
-    timeout let a client sending a byte every few seconds hold its connection (and a slot) for good."""
+    timeout let a client sending a byte every few seconds hold its connection (and a slot) for good.
+    Once ``evicted`` is set (the server closed the connection for a newer one) reads raise."""
 
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
+    def __init__(self, sock: socket.socket, seconds: float, evicted: threading.Event | None = None) -> None:
         self.sock, self.seconds = sock, seconds
         self.deadline = time.monotonic() + seconds
+        self.evicted = evicted or threading.Event()
 
     def readable(self) -> bool:
         return True
@@ -232,9 +237,12 @@ class RequestReader(io.RawIOBase):
             raise TimeoutError(f"request not received within {self.seconds:g} s")
         self.sock.settimeout(left)
         try:
-            return self.sock.recv_into(buffer)
+            received = 0 if self.evicted.is_set() else self.sock.recv_into(buffer)
         finally:
             self.sock.settimeout(self.seconds)  # for the writes (the reply)
+        if self.evicted.is_set():  # what was sent before, or the end the shutdown gave: not a request
+            raise ConnectionAbortedError("closed for a newer connection before its bearer token checked out")
+        return received
 
 
 def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[str] | None,
@@ -247,7 +255,12 @@ def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[st
             # deadline from the accept is the request's
             super().setup()
             self.rfile.close()  # the socket's own file: reads go through the deadline instead
-            self.rfile = io.BufferedReader(RequestReader(self.connection, idle_timeout_s))
+            self.rfile = io.BufferedReader(RequestReader(self.connection, idle_timeout_s,
+                                                         self._server().evicted(self.connection)))
+
+        def _server(self) -> BoundedHTTPServer:
+            assert isinstance(self.server, BoundedHTTPServer)
+            return self.server
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("webhook: " + fmt, *args)
@@ -270,6 +283,8 @@ def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[st
             given = self.headers.get("Authorization", "")
             if not expected or not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
                 return self._reply(401, {"error": "missing or wrong bearer token"})
+            if not self._server().authenticated(self.connection):
+                return None  # closed for a newer connection just before: nobody to answer
             given_length = (self.headers.get("Content-Length") or "0").strip()
             if not (given_length.isascii() and given_length.isdigit()):
                 return self._reply(400, {"error": f"Content-Length: {given_length!r} is not a whole number of "
@@ -295,31 +310,94 @@ def make_handler(kube: KubeClient, token: Callable[[], str], namespaces: list[st
     return Handler
 
 
+class Slot:
+    """A connection being served: closable for a newer one (evicted) until its bearer token checks out."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.authenticated = False
+        self.evicted = threading.Event()
+
+
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, up to ``max_connections`` at once; a connection over the cap is
-    answered 503 and closed without a thread."""
+    """A thread per connection, up to ``max_connections`` served at once. At the cap a new connection
+    closes the oldest one whose token has not checked out (its socket shut down, so its reads end at
+    once) and is served instead: clients without the token, reconnecting as fast as they are closed,
+    cannot keep Alertmanager out. Only when every slot holds an authenticated connection is a new one
+    answered 503 and closed without a thread. Threads: at most ``max_connections`` plus
+    ``EVICTED_THREADS`` of closed connections still ending."""
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
         super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(max_connections)
         self.max_connections = max_connections
+        self.lock = threading.Condition()
+        self.slots: dict[socket.socket, Slot] = {}  # oldest first; evicted ones until their thread ends
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            log.warning("webhook: %d connections open, refusing one from %s", self.max_connections, client_address)
+        with self.lock:
+            admitted = self._make_room() and self.lock.wait_for(
+                lambda: len(self.slots) < self.max_connections + EVICTED_THREADS, timeout=1.0)
+            if admitted:
+                self.slots[request] = Slot(request)
+        if not admitted:
+            log.warning("webhook: %d connections open, their tokens checked, refusing one from %s",
+                        self.max_connections, client_address)
             self._refuse(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._forget(request)
             raise
+
+    def _make_room(self) -> bool:
+        """Under the lock: whether a connection may be served now, evicting the oldest unauthenticated
+        one at the cap; False when every served connection is authenticated."""
+        served = [slot for slot in self.slots.values() if not slot.evicted.is_set()]
+        if len(served) < self.max_connections:
+            return True
+        oldest = next((slot for slot in served if not slot.authenticated), None)
+        if oldest is None:
+            return False
+        oldest.evicted.set()
+        try:
+            oldest.sock.shutdown(socket.SHUT_RDWR)  # its blocked read returns now
+        except OSError:  # closed by its thread already
+            pass
+        log.debug("webhook: %d connections open, closed the oldest without a checked token", self.max_connections)
+        return True
+
+    def evicted(self, request: socket.socket) -> threading.Event:
+        """Set once ``request`` is closed for a newer connection."""
+        with self.lock:
+            return self.slots[request].evicted
+
+    def authenticated(self, request: socket.socket) -> bool:
+        """Mark ``request``'s token as checked: no newer connection closes it now. False when one
+        already has."""
+        with self.lock:
+            slot = self.slots[request]
+            slot.authenticated = not slot.evicted.is_set()
+            return slot.authenticated
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._forget(request)
+
+    def _forget(self, request: socket.socket) -> None:
+        with self.lock:
+            self.slots.pop(request, None)
+            self.lock.notify_all()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        with self.lock:
+            slot = self.slots.get(request)
+        if slot is not None and slot.evicted.is_set():
+            log.debug("webhook: a connection from %s closed for a newer one", client_address)
+            return
+        super().handle_error(request, client_address)
 
     def _refuse(self, request: socket.socket) -> None:
         body = json.dumps({"error": f"over {self.max_connections} connections at once; retry"}).encode()

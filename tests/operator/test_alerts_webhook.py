@@ -17,7 +17,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rollout_operator.alerts import MAX_CONNECTIONS, AlertWebhook, instance
+from rollout_operator.alerts import EVICTED_THREADS, MAX_CONNECTIONS, AlertWebhook, instance
 from rollout_operator.kube import KubeClient
 from rollout_operator.reconcile import ALERT_ANNOTATION
 from testbed.k8s.harness import EmulatorProcess
@@ -422,7 +422,7 @@ def test_a_kubernetes_api_failure_answers_503_so_alertmanager_retries(
     assert post(webhook, body).json() == {"rolledBack": ["default/scorer"]}  # the retry succeeds
 
 
-# -- connections: idle ones are closed, at most max_connections at once ----------------------------
+# -- connections: idle ones are closed, at most max_connections at once, unauthenticated ones give way --
 
 
 def handler_threads() -> int:
@@ -475,14 +475,24 @@ def healthz(hook: AlertWebhook) -> int | None:
         return None
 
 
-def test_a_connection_over_the_cap_is_answered_503_at_once_and_a_freed_slot_serves_again(
+def authenticated(hook: AlertWebhook) -> int:
+    """Connections being served whose bearer token checked out."""
+    with hook.server.lock:
+        return sum(slot.authenticated for slot in hook.server.slots.values())
+
+
+def test_a_connection_over_a_cap_of_authenticated_ones_is_answered_503_at_once_and_a_freed_slot_serves_again(
         kube: KubeClient) -> None:
     hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=30, max_connections=4)
     hook.start()
     baseline = handler_threads()
     socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(4)]
     try:
+        for sock in socks:  # the token checks out, the body never finishes: none of them gives way
+            sock.sendall(b"POST /alerts HTTP/1.0\r\nAuthorization: Bearer " + TOKEN.encode()
+                         + b"\r\nContent-Length: 100\r\n\r\n{")
         wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving each connection")
+        wait_until(lambda: authenticated(hook) == 4, 5, "their tokens checked")
         with socket.create_connection(("127.0.0.1", hook.port), timeout=5) as over:
             reply = closed_by_server(over)  # before the fix: a fifth thread, and socket.timeout here
         assert reply.startswith(b"HTTP/1.0 503 ") and b"over 4 connections at once" in reply, reply
@@ -517,7 +527,7 @@ def test_connections_sending_a_byte_at_a_time_are_closed_at_the_timeout_and_aler
 
     trickler = threading.Thread(target=trickle, daemon=True)
     try:
-        for i in range(MAX_CONNECTIONS + 4):  # the last 4 over the cap: answered 503 at once
+        for i in range(MAX_CONNECTIONS + 4):  # the last 4 over the cap: the oldest unauthenticated give way
             sock = socket.create_connection(("127.0.0.1", hook.port), timeout=5)
             sock.sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\nX-" if i % 2 else
                          b"POST /alerts HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
@@ -536,6 +546,94 @@ def test_connections_sending_a_byte_at_a_time_are_closed_at_the_timeout_and_aler
         stop.set()
         for sock in socks:
             sock.close()
+        hook.stop()
+        hook.server.server_close()
+
+
+def test_at_the_cap_a_new_connection_closes_the_oldest_one_whose_token_has_not_checked_out(
+        kube: KubeClient) -> None:
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=30, max_connections=4)
+    hook.start()
+    baseline = handler_threads()
+    socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5)]
+    try:
+        socks[0].sendall(b"POST /alerts HTTP/1.0\r\nAuthorization: Bearer " + TOKEN.encode()
+                         + b"\r\nContent-Length: 100\r\n\r\n{")  # the oldest, but its token checked out
+        wait_until(lambda: authenticated(hook) == 1, 5, "its token checked")
+        for i in range(3):  # idle, or headers half sent
+            socks.append(socket.create_connection(("127.0.0.1", hook.port), timeout=5))
+            socks[-1].sendall(b"POST /alerts HTTP/1.0\r\nX-" if i else b"")
+            wait_until(lambda: handler_threads() == baseline + len(socks), 5, "a thread serving each connection")
+        assert healthz(hook) == 200  # before: 503, over 4 connections at once
+        assert closed_by_server(socks[1]) == b""  # the oldest without a checked token, closed without a reply
+        wait_until(lambda: handler_threads() == baseline + 3, 5, "its thread ends")
+        socks.append(socket.create_connection(("127.0.0.1", hook.port), timeout=5))  # the cap reached again
+        wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving it")
+        assert post(hook, payload()).status_code == 200  # the next oldest gives way
+        assert closed_by_server(socks[2]) == b""
+        socks[0].sendall(b" " * 99)  # the authenticated one, untouched, finishes its body
+        assert closed_by_server(socks[0]).startswith(b"HTTP/1.0 400 ")  # "{" and spaces: not JSON
+    finally:
+        for sock in socks:
+            sock.close()
+        hook.stop()
+        hook.server.server_close()
+
+
+def test_clients_without_the_token_reconnecting_as_soon_as_closed_do_not_keep_alertmanager_out(
+        kube: KubeClient) -> None:
+    """Closing a connection at its deadline freed its slot, but a client reconnecting at once took it
+    back: cap + 2 such clients, each sending half a header then waiting, held every slot, and nearly
+    every authenticated POST got 503. A connection whose token has not checked out now gives way."""
+    cap = 8
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=1.0, max_connections=cap)
+    hook.start()
+    baseline = handler_threads()
+    stop = threading.Event()
+    connects = [0] * (cap + 2)
+
+    def reconnect(i: int) -> None:
+        deadline = time.monotonic() + 20
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", hook.port), timeout=3) as sock:
+                    connects[i] += 1
+                    sock.sendall(b"POST /alerts HTTP/1.0\r\nX-")
+                    sock.recv(1)  # until the server closes it (or answers 503)
+            except OSError:
+                pass
+            time.sleep(0.005)  # as good as at once, and a small load for the test
+
+    attackers = [threading.Thread(target=reconnect, args=(i,), daemon=True) for i in range(cap + 2)]
+    served: list[tuple[int | None, float]] = []  # status (None: connection dropped), seconds into the attack
+    most_threads = 0
+    try:
+        for attacker in attackers:
+            attacker.start()
+        wait_until(lambda: handler_threads() >= baseline + cap, 5, "every slot held by an attacker")
+        time.sleep(0.5)
+        before, started = sum(connects), time.monotonic()
+        while len(served) < 12 and time.monotonic() - started < 8:
+            try:
+                status: int | None = post(hook, payload()).status_code  # before the fix: 503 nearly always
+            except httpx.TransportError:
+                status = None
+            served.append((status, time.monotonic() - started))
+            most_threads = max(most_threads, handler_threads() - baseline)
+            time.sleep(0.25)
+        assert sum(connects) - before > 4 * cap, "the attackers kept reconnecting"
+    finally:
+        stop.set()
+        for attacker in attackers:
+            attacker.join(timeout=5)
+    try:
+        assert not any(attacker.is_alive() for attacker in attackers)
+        statuses = [status for status, _ in served]
+        assert len(served) >= 8 and statuses.count(200) >= 0.9 * len(served), served
+        assert any(status == 200 and at < 1 for status, at in served), served
+        assert most_threads <= cap + EVICTED_THREADS, most_threads
+        wait_until(lambda: handler_threads() == baseline, 5, "the attackers' connections closed, their threads ended")
+    finally:
         hook.stop()
         hook.server.server_close()
 
