@@ -75,7 +75,8 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--admin-token-file", metavar="PATH", default=None,
                    help="enable the admin endpoints (GET /v2/models/M/versions/V/profile) for requests with "
-                        "'Authorization: Bearer TOKEN', TOKEN read from this file at start (default: disabled)")
+                        "'Authorization: Bearer TOKEN', TOKEN read from this file at start (default: "
+                        "$MNN_ROLLOUT_ADMIN_TOKEN if set, else disabled)")
     p.add_argument("--feedback-token-file", metavar="PATH", default=None,
                    help="enable POST /v2/models/M/feedback for requests with 'Authorization: Bearer TOKEN', "
                         "TOKEN read from this file at start (default: $MNN_ROLLOUT_FEEDBACK_TOKEN if set, "
@@ -107,7 +108,7 @@ def _checked_token(token: str | None, where: str) -> str | None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from mnn_rollout.contract.config import FEEDBACK_TOKEN_ENV, ConfigError
+    from mnn_rollout.contract.config import ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV, ConfigError
     from mnn_runtime.server import (build_runtime, build_runtime_from_configmap, raise_open_files_limit, serve,
                                     serve_workers)
     from mnn_runtime.workers_cpus import usable_cpus
@@ -116,7 +117,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
         return 2
     try:
-        token = _token(args.admin_token_file)
+        token = _token(args.admin_token_file) if args.admin_token_file \
+            else _checked_token(os.environ.get(ADMIN_TOKEN_ENV), ADMIN_TOKEN_ENV)
         feedback_token = _token(args.feedback_token_file, "--feedback-token-file") if args.feedback_token_file \
             else _checked_token(os.environ.get(FEEDBACK_TOKEN_ENV), FEEDBACK_TOKEN_ENV)
     except ValueError as exc:

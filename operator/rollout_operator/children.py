@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from mnn_rollout.contract.config import (CONFIG_KEY, DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES_ENV,
+from mnn_rollout.contract.config import (ADMIN_TOKEN_ENV, CONFIG_KEY, DEFAULT_MODEL_CACHE, DOWNLOAD_MAX_BYTES_ENV,
                                          DOWNLOAD_TIMEOUT_ENV, DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS,
                                          FEEDBACK_TOKEN_ENV, MODEL_CACHE_ENV, MODEL_CACHE_PRUNE_ENV, YAML_LOADER,
                                          RuntimeConfig, dump_config)
@@ -352,9 +352,10 @@ def render_deployment(target: Target, spec: ModelDeploymentSpec, config: Runtime
         # stops accepting and finishes what is in flight (within the grace period below).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
     }
-    if rt.feedback is not None:  # read by the kubelet: the operator may not read Secrets
-        container["env"].append({"name": FEEDBACK_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-            "name": rt.feedback.secret_name, "key": rt.feedback.key}}})
+    for env, token in ((FEEDBACK_TOKEN_ENV, rt.feedback), (ADMIN_TOKEN_ENV, rt.admin)):
+        if token is not None:  # read by the kubelet: the operator may not read Secrets
+            container["env"].append({"name": env, "valueFrom": {"secretKeyRef": {
+                "name": token.secret_name, "key": token.key}}})
     if rt.image_pull_policy:
         container["imagePullPolicy"] = rt.image_pull_policy
     pod_spec: dict[str, Any] = {

@@ -227,11 +227,13 @@ def _secret_name(value: str) -> str:
     return value
 
 
-class FeedbackSpec(_Model):
-    """The token ``POST /v2/models/{model}/feedback`` requires (``Authorization: Bearer TOKEN``): key
-    ``key`` of Secret ``secretName`` in the object's namespace, given to the runtime container by
-    the kubelet (as ``MNN_ROLLOUT_FEEDBACK_TOKEN``). Without it the runtime pods refuse feedback:
-    it decides rollouts and experiments, so nobody may post it unauthenticated."""
+class TokenSecretSpec(_Model):
+    """A bearer token the runtime requires (``Authorization: Bearer TOKEN``): key ``key`` of Secret
+    ``secretName`` in the object's namespace, given to the runtime container by the kubelet as an
+    environment variable (the operator never reads Secrets). ``runtime.feedback``: the token of
+    ``POST /v2/models/{model}/feedback`` (``MNN_ROLLOUT_FEEDBACK_TOKEN``; without it the pods refuse
+    feedback, which decides rollouts and experiments). ``runtime.admin``: the token of the admin
+    endpoints, per-operator profiling (``MNN_ROLLOUT_ADMIN_TOKEN``; without it they are off)."""
 
     secret_name: str = Field(alias="secretName")
     key: str = "token"
@@ -267,7 +269,8 @@ class RuntimeSpec(_Model):
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
     pod_annotations: dict[str, str] = Field(default_factory=dict, alias="podAnnotations")
     pod_labels: dict[str, str] = Field(default_factory=dict, alias="podLabels")
-    feedback: FeedbackSpec | None = None  # None: the pods refuse feedback
+    feedback: TokenSecretSpec | None = None  # None: the pods refuse feedback
+    admin: TokenSecretSpec | None = None  # None: the admin endpoints (profiling) are off
 
     @model_validator(mode="before")
     @classmethod

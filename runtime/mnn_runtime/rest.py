@@ -177,7 +177,7 @@ class V2Endpoints:
     async def profile(self, request: Request, model_name: str, version: str) -> Response:
         """Per-operator timing of a loaded version on its own session (an admin call: bearer token)."""
         if self.admin_token is None:
-            return _json(403, b'{"error":"profiling is disabled: start the runtime with --admin-token-file"}')
+            return _json(403, PROFILING_DISABLED)
         refused = _unauthorized(request, self.admin_token, "admin")
         if refused is not None:
             return refused
@@ -211,6 +211,9 @@ class V2Endpoints:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
+PROFILING_DISABLED = orjson.dumps({"error": "profiling is disabled: start the runtime with --admin-token-file PATH "
+                                            "(or MNN_ROLLOUT_ADMIN_TOKEN; in a cluster, "
+                                            "spec.runtime.admin.secretName)"})
 FEEDBACK_DISABLED = orjson.dumps({"error": "feedback is disabled: start the runtime with --feedback-token-file PATH "
                                            "(or MNN_ROLLOUT_FEEDBACK_TOKEN; in a cluster, "
                                            "spec.runtime.feedback.secretName)"})

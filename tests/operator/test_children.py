@@ -321,21 +321,25 @@ def test_an_s3_model_source_gives_the_pods_the_secrets_keys_the_endpoint_and_a_d
                                                                                4 * 1024**3)
 
 
-def test_a_feedback_secret_gives_the_runtime_its_token_through_the_kubelet() -> None:
+def test_token_secrets_give_the_runtime_its_tokens_through_the_kubelet() -> None:
     import kubernetes_validate
 
-    dep = _deployment({"versions": S3_SPEC["versions"][:1], "runtime": {"feedback": {"secretName": "outcomes"}}})
+    dep = _deployment({"versions": S3_SPEC["versions"][:1], "runtime": {
+        "feedback": {"secretName": "outcomes"}, "admin": {"secretName": "ops", "key": "profiling"}}})
     kubernetes_validate.validate(dep, "1.30", strict=True)
     env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["MNN_ROLLOUT_FEEDBACK_TOKEN"] == {"name": "MNN_ROLLOUT_FEEDBACK_TOKEN", "valueFrom": {
         "secretKeyRef": {"name": "outcomes", "key": "token"}}}
+    assert env["MNN_ROLLOUT_ADMIN_TOKEN"] == {"name": "MNN_ROLLOUT_ADMIN_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "ops", "key": "profiling"}}}
     plain = _deployment({"versions": S3_SPEC["versions"][:1]})
     plain_env = plain["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert "MNN_ROLLOUT_FEEDBACK_TOKEN" not in {e["name"] for e in plain_env}
-    for bad, message in (({"secretName": "Outcomes"}, "secretName 'Outcomes' is not a Secret name"),
-                         ({"secretName": "o", "key": "a/b"}, "key 'a/b' is not a Secret key"), ({}, "secretName")):
-        with pytest.raises(SpecError, match=f"spec.runtime.feedback.*{message}"):
-            parse_spec({"versions": S3_SPEC["versions"][:1], "runtime": {"feedback": bad}})
+    assert not {"MNN_ROLLOUT_FEEDBACK_TOKEN", "MNN_ROLLOUT_ADMIN_TOKEN"} & {e["name"] for e in plain_env}
+    for field in ("feedback", "admin"):
+        for bad, message in (({"secretName": "Outcomes"}, "secretName 'Outcomes' is not a Secret name"),
+                             ({"secretName": "o", "key": "a/b"}, "key 'a/b' is not a Secret key"), ({}, "secretName")):
+            with pytest.raises(SpecError, match=f"spec.runtime.{field}.*{message}"):
+                parse_spec({"versions": S3_SPEC["versions"][:1], "runtime": {field: bad}})
 
 
 def test_without_a_model_source_the_pods_get_no_source_settings() -> None:

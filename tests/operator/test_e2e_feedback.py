@@ -1,6 +1,7 @@
-"""Feedback in a cluster takes a token: ``spec.runtime.feedback.secretName`` names a Secret whose
-key the kubelet gives the runtime container (the operator never reads it), and every pod then
-counts feedback only from requests that carry it. Without the field the pods refuse feedback."""
+"""Feedback and profiling in a cluster take a token: ``spec.runtime.feedback.secretName`` (and
+``runtime.admin``) names a Secret whose key the kubelet gives the runtime container (the operator
+never reads it), and every pod then counts feedback (profiles a version) only for requests that
+carry it. Without the fields the pods refuse both."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from testbed.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-TOKEN = "f33dback-t0ken"
+TOKEN, ADMIN = "f33dback-t0ken", "adm1n-t0ken"
 BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]}
 
 
@@ -31,9 +32,12 @@ def counted(pod: Any, version: str) -> float:
 def test_the_pods_count_feedback_only_with_the_token_from_the_secret(cluster: Cluster) -> None:
     cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "scorer-feedback"},
                    "stringData": {"outcomes": TOKEN}})
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "scorer-admin"},
+                   "stringData": {"token": ADMIN}})
     cluster.start_operator()
     md = cluster.manifest("scorer.yaml")
     md["spec"]["runtime"]["feedback"] = {"secretName": "scorer-feedback", "key": "outcomes"}
+    md["spec"]["runtime"]["admin"] = {"secretName": "scorer-admin"}
     cluster.apply(md)
     pods = cluster.wait_ready()
     wait_for(lambda: cluster.status().get("phase") == "Ready", 60, "phase Ready")
@@ -49,12 +53,21 @@ def test_the_pods_count_feedback_only_with_the_token_from_the_secret(cluster: Cl
         taken = feedback(pod, item, TOKEN)
         assert taken.status_code == 200 and taken.json() == {"counted": 1, "unmatched": 0}, taken.text
         assert counted(pod, "v1") == before + 1
+        profile = f"{pod.url}/v2/models/scorer/versions/v1/profile?runs=2"
+        assert httpx.get(profile, timeout=30).status_code == 401
+        assert httpx.get(profile, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).status_code == 401
+        timed = httpx.get(profile, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        assert timed.status_code == 200 and timed.json()["ops"], timed.text
 
-    # Without the field the pods refuse feedback, saying how to enable it.
+    # Without the fields the pods refuse feedback and profiling, saying how to enable them.
     md["spec"]["runtime"].pop("feedback")
+    md["spec"]["runtime"].pop("admin")
     cluster.apply(md)
     names = {p.name for p in pods}
     wait_for(lambda: len(cluster.pods()) == 2 and not names & {p.name for p in cluster.pods()}, 120,
              "the pods rolled without the token")
     refused = feedback(cluster.pods()[0], {"id": "0123456789abcdef.v1", "value": 1}, TOKEN)
     assert refused.status_code == 403 and "spec.runtime.feedback.secretName" in refused.json()["error"], refused.text
+    off = httpx.get(f"{cluster.pods()[0].url}/v2/models/scorer/versions/v1/profile", timeout=30,
+                    headers={"Authorization": f"Bearer {ADMIN}"})
+    assert off.status_code == 403 and "spec.runtime.admin.secretName" in off.json()["error"], off.text

@@ -51,6 +51,7 @@ DOWNLOAD_MAX_BYTES_ENV = "MNN_ROLLOUT_DOWNLOAD_MAX_BYTES"  # largest file accept
 # The token POST /v2/models/M/feedback requires, when `serve` has no --feedback-token-file: the
 # operator has the kubelet set it from spec.runtime.feedback's Secret.
 FEEDBACK_TOKEN_ENV = "MNN_ROLLOUT_FEEDBACK_TOKEN"
+ADMIN_TOKEN_ENV = "MNN_ROLLOUT_ADMIN_TOKEN"  # the same for the admin endpoints (--admin-token-file)
 DOWNLOAD_TIMEOUT_SECONDS = 600
 # Top-level directories a compile cache may not be in: the operator mounts an emptyDir on cacheDir.
 SYSTEM_DIRS = frozenset({"usr", "etc", "proc", "sys", "dev", "bin", "sbin", "lib", "lib64", "boot"})
