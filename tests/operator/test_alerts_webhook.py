@@ -3,6 +3,7 @@ and end to end behind a real Alertmanager (and Prometheus alerting rules)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -71,13 +72,22 @@ def scorer(kube: KubeClient) -> dict[str, Any]:
     return create_md(kube, status=CANARY_STATUS)
 
 
+@contextlib.contextmanager
+def serving(kube: KubeClient, token: str = TOKEN, **settings: Any) -> Iterator[AlertWebhook]:
+    """An AlertWebhook on a free loopback port taking ``token``, started; stopped and closed after."""
+    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: token, **settings)
+    hook.start()
+    try:
+        yield hook
+    finally:
+        hook.stop()
+        hook.server.server_close()
+
+
 @pytest.fixture
 def webhook(kube: KubeClient) -> Iterator[AlertWebhook]:
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN)
-    hook.start()
-    yield hook
-    hook.stop()
-    hook.server.server_close()
+    with serving(kube) as hook:
+        yield hook
 
 
 def url(hook: AlertWebhook) -> str:
@@ -133,17 +143,12 @@ def test_a_missing_or_wrong_bearer_token_gets_401_and_changes_nothing(
 
 def test_an_empty_configured_token_refuses_everyone(emu: EmulatorProcess, kube: KubeClient,
                                                     scorer: dict[str, Any]) -> None:
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: "")
-    hook.start()
-    try:
+    with serving(kube, token="") as hook:
         body = payload(alert({"alertname": "A", "namespace": "default", "modeldeployment": "scorer"}))
         assert post(hook, body, token="anything").status_code == 401
         assert post(hook, body, token=None).status_code == 401
         resp = httpx.post(url(hook), json=body, headers={"Authorization": "Bearer"}, timeout=10)
         assert resp.status_code == 401
-    finally:
-        hook.stop()
-        hook.server.server_close()
     assert mark(kube) is None
 
 
@@ -302,14 +307,9 @@ def test_an_alert_naming_a_challenger_of_a_running_experiment_marks_it(
 
 def test_the_namespaces_option_limits_model_and_version_lookups(
         emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any]) -> None:
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, namespaces=["team-a"])
-    hook.start()
-    try:
+    with serving(kube, namespaces=["team-a"]) as hook:
         resp = post(hook, payload(alert({"alertname": "A", "model": "scorer", "version": "v2"})))
         assert resp.status_code == 200 and resp.json() == {"rolledBack": []}
-    finally:
-        hook.stop()
-        hook.server.server_close()
     assert mark(kube) is None
 
 
@@ -437,6 +437,11 @@ def wait_until(check: Callable[[], bool], deadline_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+# A request whose token checks out and whose body (100 bytes announced, 1 sent) never finishes.
+BODY_NEVER_FINISHED = (b"POST /alerts HTTP/1.0\r\nAuthorization: Bearer " + TOKEN.encode()
+                       + b"\r\nContent-Length: 100\r\n\r\n{")
+
+
 def closed_by_server(sock: socket.socket) -> bytes:
     """All the server sends on ``sock`` until it closes it (a socket.timeout if it does not)."""
     received = b""
@@ -447,24 +452,20 @@ def closed_by_server(sock: socket.socket) -> bytes:
 
 def test_idle_and_half_sent_connections_are_closed_after_the_idle_timeout_and_their_threads_end(
         kube: KubeClient) -> None:
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=0.5)
-    hook.start()
-    baseline = handler_threads()
-    socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(6)]
-    try:
-        socks[1].sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\n")  # headers never finished
-        socks[2].sendall(b"POST /alerts HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
-                         + b"\r\nContent-Length: 100\r\n\r\n{")  # the body never finished
-        wait_until(lambda: handler_threads() == baseline + 6, 5, "a thread serving each connection")
-        for sock in socks:
-            assert closed_by_server(sock) == b""  # no reply: a read timed out (before the fix: socket.timeout)
-        wait_until(lambda: handler_threads() == baseline, 5, "the connections' threads end")
-        assert healthz(hook) == 200
-    finally:
-        for sock in socks:
-            sock.close()
-        hook.stop()
-        hook.server.server_close()
+    with serving(kube, idle_timeout_s=0.5) as hook:
+        baseline = handler_threads()
+        socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(6)]
+        try:
+            socks[1].sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+            socks[2].sendall(BODY_NEVER_FINISHED)
+            wait_until(lambda: handler_threads() == baseline + 6, 5, "a thread serving each connection")
+            for sock in socks:
+                assert closed_by_server(sock) == b""  # no reply: a read timed out (before the fix: socket.timeout)
+            wait_until(lambda: handler_threads() == baseline, 5, "the connections' threads end")
+            assert healthz(hook) == 200
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 def healthz(hook: AlertWebhook) -> int | None:
@@ -483,27 +484,23 @@ def authenticated(hook: AlertWebhook) -> int:
 
 def test_a_connection_over_a_cap_of_authenticated_ones_is_answered_503_at_once_and_a_freed_slot_serves_again(
         kube: KubeClient) -> None:
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=30, max_connections=4)
-    hook.start()
-    baseline = handler_threads()
-    socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(4)]
-    try:
-        for sock in socks:  # the token checks out, the body never finishes: none of them gives way
-            sock.sendall(b"POST /alerts HTTP/1.0\r\nAuthorization: Bearer " + TOKEN.encode()
-                         + b"\r\nContent-Length: 100\r\n\r\n{")
-        wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving each connection")
-        wait_until(lambda: authenticated(hook) == 4, 5, "their tokens checked")
-        with socket.create_connection(("127.0.0.1", hook.port), timeout=5) as over:
-            reply = closed_by_server(over)  # before the fix: a fifth thread, and socket.timeout here
-        assert reply.startswith(b"HTTP/1.0 503 ") and b"over 4 connections at once" in reply, reply
-        assert handler_threads() == baseline + 4
-        socks[0].close()
-        wait_until(lambda: healthz(hook) == 200, 5, "a connection served once one of the four closed")
-    finally:
-        for sock in socks:
-            sock.close()
-        hook.stop()
-        hook.server.server_close()
+    with serving(kube, idle_timeout_s=30, max_connections=4) as hook:
+        baseline = handler_threads()
+        socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5) for _ in range(4)]
+        try:
+            for sock in socks:  # the token checks out, the body never finishes: none of them gives way
+                sock.sendall(BODY_NEVER_FINISHED)
+            wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving each connection")
+            wait_until(lambda: authenticated(hook) == 4, 5, "their tokens checked")
+            with socket.create_connection(("127.0.0.1", hook.port), timeout=5) as over:
+                reply = closed_by_server(over)  # before the fix: a fifth thread, and socket.timeout here
+            assert reply.startswith(b"HTTP/1.0 503 ") and b"over 4 connections at once" in reply, reply
+            assert handler_threads() == baseline + 4
+            socks[0].close()
+            wait_until(lambda: healthz(hook) == 200, 5, "a connection served once one of the four closed")
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 def test_connections_sending_a_byte_at_a_time_are_closed_at_the_timeout_and_alertmanager_is_served(
@@ -511,73 +508,67 @@ def test_connections_sending_a_byte_at_a_time_are_closed_at_the_timeout_and_aler
     """Clients sending a byte every 0.2 s, each read well within the timeout, held their slots for
     good: 64 of them (headers or a body, trickled) held every one, and Alertmanager's POST got 503 for
     as long as they kept sending. The timeout is now for a connection's whole request, from its accept."""
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=1.0)
-    hook.start()
-    baseline = handler_threads()
-    socks: list[socket.socket] = []
-    stop = threading.Event()
+    with serving(kube, idle_timeout_s=1.0) as hook:
+        baseline = handler_threads()
+        socks: list[socket.socket] = []
+        stop = threading.Event()
 
-    def trickle() -> None:
-        while not stop.wait(0.2):
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                for sock in socks:
+                    try:
+                        sock.send(b"a")
+                    except OSError:  # closed by the server
+                        pass
+
+        trickler = threading.Thread(target=trickle, daemon=True)
+        try:
+            for i in range(MAX_CONNECTIONS + 4):  # the last 4 over the cap: the oldest unauthenticated give way
+                sock = socket.create_connection(("127.0.0.1", hook.port), timeout=5)
+                sock.sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\nX-" if i % 2 else
+                             b"POST /alerts HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
+                             + b"\r\nContent-Length: 100000\r\n\r\n{")
+                socks.append(sock)
+                time.sleep(0.005)  # a burst overflows the listen backlog (5): a connect then waits 1 s for a SYN resent
+            trickler.start()
+            started = time.monotonic()
+            wait_until(lambda: handler_threads() == baseline + MAX_CONNECTIONS, 5, "every slot held by a trickler")
+            while (status := post(hook, payload()).status_code) != 200:
+                # before the fix: 503 ("over 64 connections at once") for as long as the tricklers send
+                assert status == 503 and time.monotonic() - started < 5, (status, time.monotonic() - started)
+                time.sleep(0.1)
+            wait_until(lambda: handler_threads() == baseline, 5,
+                       "the tricklers' connections closed, their threads ended")
+        finally:
+            stop.set()
             for sock in socks:
-                try:
-                    sock.send(b"a")
-                except OSError:  # closed by the server
-                    pass
-
-    trickler = threading.Thread(target=trickle, daemon=True)
-    try:
-        for i in range(MAX_CONNECTIONS + 4):  # the last 4 over the cap: the oldest unauthenticated give way
-            sock = socket.create_connection(("127.0.0.1", hook.port), timeout=5)
-            sock.sendall(b"POST /alerts HTTP/1.1\r\nHost: x\r\nX-" if i % 2 else
-                         b"POST /alerts HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode()
-                         + b"\r\nContent-Length: 100000\r\n\r\n{")
-            socks.append(sock)
-            time.sleep(0.005)  # a burst overflows the listen backlog (5): a connect then waits 1 s for a SYN resent
-        trickler.start()
-        started = time.monotonic()
-        wait_until(lambda: handler_threads() == baseline + MAX_CONNECTIONS, 5, "every slot held by a trickler")
-        while (status := post(hook, payload()).status_code) != 200:
-            # before the fix: 503 ("over 64 connections at once") for as long as the tricklers send
-            assert status == 503 and time.monotonic() - started < 5, (status, time.monotonic() - started)
-            time.sleep(0.1)
-        wait_until(lambda: handler_threads() == baseline, 5, "the tricklers' connections closed, their threads ended")
-    finally:
-        stop.set()
-        for sock in socks:
-            sock.close()
-        hook.stop()
-        hook.server.server_close()
+                sock.close()
 
 
 def test_at_the_cap_a_new_connection_closes_the_oldest_one_whose_token_has_not_checked_out(
         kube: KubeClient) -> None:
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=30, max_connections=4)
-    hook.start()
-    baseline = handler_threads()
-    socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5)]
-    try:
-        socks[0].sendall(b"POST /alerts HTTP/1.0\r\nAuthorization: Bearer " + TOKEN.encode()
-                         + b"\r\nContent-Length: 100\r\n\r\n{")  # the oldest, but its token checked out
-        wait_until(lambda: authenticated(hook) == 1, 5, "its token checked")
-        for i in range(3):  # idle, or headers half sent
-            socks.append(socket.create_connection(("127.0.0.1", hook.port), timeout=5))
-            socks[-1].sendall(b"POST /alerts HTTP/1.0\r\nX-" if i else b"")
-            wait_until(lambda: handler_threads() == baseline + len(socks), 5, "a thread serving each connection")
-        assert healthz(hook) == 200  # before: 503, over 4 connections at once
-        assert closed_by_server(socks[1]) == b""  # the oldest without a checked token, closed without a reply
-        wait_until(lambda: handler_threads() == baseline + 3, 5, "its thread ends")
-        socks.append(socket.create_connection(("127.0.0.1", hook.port), timeout=5))  # the cap reached again
-        wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving it")
-        assert post(hook, payload()).status_code == 200  # the next oldest gives way
-        assert closed_by_server(socks[2]) == b""
-        socks[0].sendall(b" " * 99)  # the authenticated one, untouched, finishes its body
-        assert closed_by_server(socks[0]).startswith(b"HTTP/1.0 400 ")  # "{" and spaces: not JSON
-    finally:
-        for sock in socks:
-            sock.close()
-        hook.stop()
-        hook.server.server_close()
+    with serving(kube, idle_timeout_s=30, max_connections=4) as hook:
+        baseline = handler_threads()
+        socks = [socket.create_connection(("127.0.0.1", hook.port), timeout=5)]
+        try:
+            socks[0].sendall(BODY_NEVER_FINISHED)  # the oldest, but its token checked out
+            wait_until(lambda: authenticated(hook) == 1, 5, "its token checked")
+            for i in range(3):  # idle, or headers half sent
+                socks.append(socket.create_connection(("127.0.0.1", hook.port), timeout=5))
+                socks[-1].sendall(b"POST /alerts HTTP/1.0\r\nX-" if i else b"")
+                wait_until(lambda: handler_threads() == baseline + len(socks), 5, "a thread serving each connection")
+            assert healthz(hook) == 200  # before: 503, over 4 connections at once
+            assert closed_by_server(socks[1]) == b""  # the oldest without a checked token, closed without a reply
+            wait_until(lambda: handler_threads() == baseline + 3, 5, "its thread ends")
+            socks.append(socket.create_connection(("127.0.0.1", hook.port), timeout=5))  # the cap reached again
+            wait_until(lambda: handler_threads() == baseline + 4, 5, "a thread serving it")
+            assert post(hook, payload()).status_code == 200  # the next oldest gives way
+            assert closed_by_server(socks[2]) == b""
+            socks[0].sendall(b" " * 99)  # the authenticated one, untouched, finishes its body
+            assert closed_by_server(socks[0]).startswith(b"HTTP/1.0 400 ")  # "{" and spaces: not JSON
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 def test_clients_without_the_token_reconnecting_as_soon_as_closed_do_not_keep_alertmanager_out(
@@ -586,56 +577,51 @@ def test_clients_without_the_token_reconnecting_as_soon_as_closed_do_not_keep_al
     back: cap + 2 such clients, each sending half a header then waiting, held every slot, and nearly
     every authenticated POST got 503. A connection whose token has not checked out now gives way."""
     cap = 8
-    hook = AlertWebhook(kube, "127.0.0.1", 0, lambda: TOKEN, idle_timeout_s=1.0, max_connections=cap)
-    hook.start()
-    baseline = handler_threads()
-    stop = threading.Event()
-    connects = [0] * (cap + 2)
+    with serving(kube, idle_timeout_s=1.0, max_connections=cap) as hook:
+        baseline = handler_threads()
+        stop = threading.Event()
+        connects = [0] * (cap + 2)
 
-    def reconnect(i: int) -> None:
-        deadline = time.monotonic() + 20
-        while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", hook.port), timeout=3) as sock:
-                    connects[i] += 1
-                    sock.sendall(b"POST /alerts HTTP/1.0\r\nX-")
-                    sock.recv(1)  # until the server closes it (or answers 503)
-            except OSError:
-                pass
-            time.sleep(0.005)  # as good as at once, and a small load for the test
+        def reconnect(i: int) -> None:
+            deadline = time.monotonic() + 20
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    with socket.create_connection(("127.0.0.1", hook.port), timeout=3) as sock:
+                        connects[i] += 1
+                        sock.sendall(b"POST /alerts HTTP/1.0\r\nX-")
+                        sock.recv(1)  # until the server closes it (or answers 503)
+                except OSError:
+                    pass
+                time.sleep(0.005)  # as good as at once, and a small load for the test
 
-    attackers = [threading.Thread(target=reconnect, args=(i,), daemon=True) for i in range(cap + 2)]
-    served: list[tuple[int | None, float]] = []  # status (None: connection dropped), seconds into the attack
-    most_threads = 0
-    try:
-        for attacker in attackers:
-            attacker.start()
-        wait_until(lambda: handler_threads() >= baseline + cap, 5, "every slot held by an attacker")
-        time.sleep(0.5)
-        before, started = sum(connects), time.monotonic()
-        while len(served) < 12 and time.monotonic() - started < 8:
-            try:
-                status: int | None = post(hook, payload()).status_code  # before the fix: 503 nearly always
-            except httpx.TransportError:
-                status = None
-            served.append((status, time.monotonic() - started))
-            most_threads = max(most_threads, handler_threads() - baseline)
-            time.sleep(0.25)
-        assert sum(connects) - before > 4 * cap, "the attackers kept reconnecting"
-    finally:
-        stop.set()
-        for attacker in attackers:
-            attacker.join(timeout=5)
-    try:
+        attackers = [threading.Thread(target=reconnect, args=(i,), daemon=True) for i in range(cap + 2)]
+        served: list[tuple[int | None, float]] = []  # status (None: connection dropped), seconds into the attack
+        most_threads = 0
+        try:
+            for attacker in attackers:
+                attacker.start()
+            wait_until(lambda: handler_threads() >= baseline + cap, 5, "every slot held by an attacker")
+            time.sleep(0.5)
+            before, started = sum(connects), time.monotonic()
+            while len(served) < 12 and time.monotonic() - started < 8:
+                try:
+                    status: int | None = post(hook, payload()).status_code  # before the fix: 503 nearly always
+                except httpx.TransportError:
+                    status = None
+                served.append((status, time.monotonic() - started))
+                most_threads = max(most_threads, handler_threads() - baseline)
+                time.sleep(0.25)
+            assert sum(connects) - before > 4 * cap, "the attackers kept reconnecting"
+        finally:
+            stop.set()
+            for attacker in attackers:
+                attacker.join(timeout=5)
         assert not any(attacker.is_alive() for attacker in attackers)
         statuses = [status for status, _ in served]
         assert len(served) >= 8 and statuses.count(200) >= 0.9 * len(served), served
         assert any(status == 200 and at < 1 for status, at in served), served
         assert most_threads <= cap + EVICTED_THREADS, most_threads
         wait_until(lambda: handler_threads() == baseline, 5, "the attackers' connections closed, their threads ended")
-    finally:
-        hook.stop()
-        hook.server.server_close()
 
 
 # -- end to end: a real Alertmanager (and Prometheus) in front of the webhook ---------------------
