@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,11 +84,12 @@ def _serve_arguments(p: argparse.ArgumentParser, command: str) -> None:
                         "else disabled)")
 
 
-def _token(path: str | None, flag: str = "--admin-token-file") -> str | None:
-    """The token in the file a ``--*-token-file`` flag names (surrounding whitespace removed);
-    raises ValueError naming the flag when it cannot be used."""
+def _token(path: str | None, flag: str, env: str) -> str | None:
+    """The token in the file a ``--*-token-file`` flag names, else in the environment variable
+    ``env`` (surrounding whitespace removed; None: neither given); raises ValueError naming the flag
+    or the variable when it cannot be used."""
     if path is None:
-        return None
+        return _checked_token(os.environ.get(env), env)
     try:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -106,8 +108,6 @@ def _checked_token(token: str | None, where: str) -> str | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from mnn_rollout.contract.config import ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV, ConfigError
     from mnn_runtime.server import (build_runtime, build_runtime_from_configmap, raise_open_files_limit, serve,
                                     serve_workers)
@@ -117,10 +117,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("error: give exactly one of --config FILE or --configmap NAMESPACE/NAME", file=sys.stderr)
         return 2
     try:
-        token = _token(args.admin_token_file) if args.admin_token_file \
-            else _checked_token(os.environ.get(ADMIN_TOKEN_ENV), ADMIN_TOKEN_ENV)
-        feedback_token = _token(args.feedback_token_file, "--feedback-token-file") if args.feedback_token_file \
-            else _checked_token(os.environ.get(FEEDBACK_TOKEN_ENV), FEEDBACK_TOKEN_ENV)
+        token = _token(args.admin_token_file, "--admin-token-file", ADMIN_TOKEN_ENV)
+        feedback_token = _token(args.feedback_token_file, "--feedback-token-file", FEEDBACK_TOKEN_ENV)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
+from mnn_rollout.contract.config import ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV
+
 from .binary import RESPONSE_HEADER
 from .codec import count
 from .dataplane import VERSION_HEADER, DataPlane
@@ -176,9 +178,7 @@ class V2Endpoints:
 
     async def profile(self, request: Request, model_name: str, version: str) -> Response:
         """Per-operator timing of a loaded version on its own session (an admin call: bearer token)."""
-        if self.admin_token is None:
-            return _json(403, PROFILING_DISABLED)
-        refused = _unauthorized(request, self.admin_token, "admin")
+        refused = _gate(request, self.admin_token, "admin", "profiling", ADMIN_TOKEN_ENV)
         if refused is not None:
             return refused
         try:
@@ -195,9 +195,7 @@ class V2Endpoints:
     async def feedback(self, request: Request, model_name: str) -> Response:
         """Outcomes of answered requests, counted per version (``feedback.py``), behind a bearer
         token: they decide rollouts and experiments, so a runtime without a token takes none."""
-        if self.feedback_token is None:
-            return _json(403, FEEDBACK_DISABLED)
-        refused = _unauthorized(request, self.feedback_token, "feedback")
+        refused = _gate(request, self.feedback_token, "feedback", "feedback", FEEDBACK_TOKEN_ENV)
         if refused is not None:
             return refused
         try:
@@ -211,12 +209,13 @@ class V2Endpoints:
         return Response(content=self.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
-PROFILING_DISABLED = orjson.dumps({"error": "profiling is disabled: start the runtime with --admin-token-file PATH "
-                                            "(or MNN_ROLLOUT_ADMIN_TOKEN; in a cluster, "
-                                            "spec.runtime.admin.secretName)"})
-FEEDBACK_DISABLED = orjson.dumps({"error": "feedback is disabled: start the runtime with --feedback-token-file PATH "
-                                           "(or MNN_ROLLOUT_FEEDBACK_TOKEN; in a cluster, "
-                                           "spec.runtime.feedback.secretName)"})
+def _gate(request: Request, token: bytes | None, realm: str, what: str, env: str) -> Response | None:
+    """None when the runtime has the ``realm`` token (``--{realm}-token-file``, ``env``) and the
+    request carries it; else 403 (no token: ``what`` is off, and how to turn it on) or the 401."""
+    if token is None:
+        return _json(403, orjson.dumps({"error": f"{what} is disabled: start the runtime with --{realm}-token-file "
+                                                 f"PATH (or {env}; in a cluster, spec.runtime.{realm}.secretName)"}))
+    return _unauthorized(request, token, realm)
 
 
 def _unauthorized(request: Request, token: bytes, realm: str) -> Response | None:
