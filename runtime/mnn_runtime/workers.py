@@ -77,6 +77,8 @@ class Supervisor(WorkerPool):
             listener.setblocking(False)
         self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
+        self._config_text = b""  # the newest config sent to the workers
+        self._missed: set[int] = set()  # workers whose full channel refused it: sent again, no connection meanwhile
         self._loader: threading.Thread | None = None  # applying a config (loading) off the main loop
         self._loaded: list[bool] = []  # the loader's answer: must the workers be replaced?
         self._main_calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -98,8 +100,9 @@ class Supervisor(WorkerPool):
         return self._loader is None  # never fork while the loader is inside MNN
 
     def _started(self, pid: int, channel: socket.socket) -> None:
-        if self._deferred is not None and self._deferred[1]:
-            send_config(pid, channel, self._deferred[1])  # newer than what it was forked with
+        if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
+            if not send_config(pid, channel, self._deferred[1]):
+                self._missed.add(pid)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -214,6 +217,8 @@ class Supervisor(WorkerPool):
         order = [pid for pid in live if pid in self.ready] or live
         for i in range(len(order)):
             pid = order[(self._turns[kind] + i) % len(order)]
+            if pid in self._missed and not self._send_missed(pid):
+                continue  # it would route this connection by an older config
             try:
                 send_connection(self._channels[pid], conn, kind)
             except OSError:  # it died, or its channel is full (it stopped reading): the next one
@@ -224,8 +229,20 @@ class Supervisor(WorkerPool):
 
     def _broadcast(self, text: bytes) -> None:
         """Send a config to every worker (they apply new weights at once; a version they do not
-        have yet stays pending until they are replaced)."""
-        self.broadcast(CONFIG_MESSAGE + text)
+        have yet stays pending until they are replaced). One whose channel is full (its loop busy,
+        connections piled up) gets it again as soon as it takes it (``_send_missed``)."""
+        self._config_text = text
+        self._missed = {pid for pid, channel in list(self._channels.items())
+                        if pid not in self.retiring and not send_config(pid, channel, text)}
+
+    def _send_missed(self, pid: int) -> bool:
+        """Send the newest config again to a worker that missed it; True once it took it."""
+        channel = self._channels.get(pid)
+        if channel is None or not send_config(pid, channel, self._config_text, quiet=True):
+            return False
+        self._missed.discard(pid)
+        log.info("worker pid %d took the config it had missed", pid)
+        return True
 
     def _forward_pending(self) -> None:
         """Send the newest config handed in to every worker now; this process applies it later
@@ -237,6 +254,9 @@ class Supervisor(WorkerPool):
             self._deferred = newest
             if newest[1]:
                 self._broadcast(newest[1])
+        self._missed &= self.children.keys()  # those gone are replaced from the newest state
+        for pid in list(self._missed):
+            self._send_missed(pid)
 
     def _apply_pending(self) -> None:
         """Apply the newest config in this process on a loader thread (loading a version can take

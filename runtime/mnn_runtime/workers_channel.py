@@ -47,17 +47,22 @@ def send_connection(channel: socket.socket, conn: socket.socket, kind: bytes = C
     socket.send_fds(channel, [kind], [conn.fileno()])
 
 
-def send_config(pid: int, channel: socket.socket, text: bytes) -> None:
-    """Send a config's YAML to the worker ``pid``; a failure is logged, never raised."""
-    send_message(pid, channel, CONFIG_MESSAGE + text)
+def send_config(pid: int, channel: socket.socket, text: bytes, quiet: bool = False) -> bool:
+    """Send a config's YAML to the worker ``pid``; False when it did not take it (logged unless
+    ``quiet``), never raised."""
+    return send_message(pid, channel, CONFIG_MESSAGE + text, quiet)
 
 
-def send_message(pid: int, channel: socket.socket, message: bytes) -> None:
-    """Send one message over the channel of worker ``pid``; a failure is logged, never raised."""
+def send_message(pid: int, channel: socket.socket, message: bytes, quiet: bool = False) -> bool:
+    """Send one message over the channel of worker ``pid``; False when it failed (logged unless
+    ``quiet``), never raised."""
     if len(message) > MAX_CONFIG_BYTES:
         log.error("a message of %d bytes is over %d: workers keep their state", len(message), MAX_CONFIG_BYTES)
-        return
+        return False
     try:
         channel.send(message)
-    except OSError as exc:  # a worker that died: it is replaced from the newest state
-        log.warning("worker pid %d did not take the message %r: %s", pid, message.split(b"\n", 1)[0], exc)
+    except OSError as exc:  # died (replaced from the newest state), or its channel is full (sent again)
+        if not quiet:
+            log.warning("worker pid %d did not take the message %r: %s", pid, message.split(b"\n", 1)[0], exc)
+        return False
+    return True
