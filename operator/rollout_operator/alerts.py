@@ -2,7 +2,8 @@
 the A/B experiment one of whose challengers it names).
 
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
-``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment). The
+``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment); a
+``version`` label beside ``namespace`` + ``modeldeployment`` must name one of those too. The
 webhook only marks the object (the ``mnnrollout.io/alert`` annotation, ``alertname@startsAt@instance@canary``, or ``@v2,v3``: an
 experiment's challengers; instance: the hash of the alert's labels, as one rule fires an alert per
 label set; one mark per alert firing, ``;``-separated) while the alert fires, and
@@ -89,25 +90,31 @@ def challengers(status: dict[str, Any]) -> list[str]:
 
 def targets(kube: KubeClient, labels: dict[str, str], namespaces: list[str] | None) -> list[dict[str, Any]]:
     """ModelDeployments an alert's labels name, among those with a canary in flight and in the
-    namespaces this operator watches."""
+    namespaces this operator watches. An alert with a ``version`` label names that version only: the
+    alert of a canary rolled back (or promoted) never rolls back the next canary, nor one on stable."""
     name = labels.get("modeldeployment") or labels.get("name")
     namespace = labels.get("namespace")
+    model, version = labels.get("model"), labels.get("version")
     if name and namespace:
         if namespaces and namespace not in namespaces:
             return []
         md = kube.get("ModelDeployment", namespace, name)
-        return [md] if md and in_flight(md) else []
-    model, version = labels.get("model"), labels.get("version")
+        return [md] if md and in_flight(md) and (version is None or is_rolled_out(md, version)) else []
     if not model or not version:
         return []
     found = []
     for md in list_modeldeployments(kube, namespaces):
-        spec, status = md.get("spec") or {}, md.get("status") or {}
-        if (spec.get("model") or md["metadata"]["name"]) == model and in_flight(md) \
-                and (status.get("canaryVersion") == version or version in challengers(status)):
+        spec = md.get("spec") or {}
+        if (spec.get("model") or md["metadata"]["name"]) == model and in_flight(md) and is_rolled_out(md, version):
             if namespace in (None, md["metadata"]["namespace"]):
                 found.append(md)
     return found
+
+
+def is_rolled_out(md: dict[str, Any], version: str) -> bool:
+    """Whether ``version`` is the object's canary or a challenger of its running experiment."""
+    status = md.get("status") or {}
+    return status.get("canaryVersion") == version or version in challengers(status)
 
 
 def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> list[dict[str, Any]]:
