@@ -109,7 +109,9 @@ def drift(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
     (``spec.replicas``, ``data[runtime.yaml].weights.v2``, ``metadata.labels[app]``). Only what the
     operator renders counts: fields the server defaults or others add are not drift. Quantities
     (``QUANTITY_PATH``) compare by value (the API server writes ``0.5`` back as ``500m``, ``1024Mi``
-    as ``1Gi``); the routing config's YAML compares as data, so its edited keys are named."""
+    as ``1Gi``); the routing config's YAML compares as data, so its edited keys are named. Lists
+    merged by key (``LIST_KEYS``) compare the rendered items only: a sidecar container a webhook
+    adds is not drift (nor ever removed by the operator's apply), a removed ownerReference is."""
     out: list[str] = []
     for key, want in desired.items():
         if key in ("apiVersion", "kind", "status"):
@@ -118,6 +120,8 @@ def drift(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
             meta = live.get("metadata") or {}
             for part in ("labels", "annotations"):
                 _diff(meta.get(part), want.get(part) or {}, f"metadata.{part}", out)
+            if want.get("ownerReferences"):
+                _diff(meta.get("ownerReferences"), want["ownerReferences"], "metadata.ownerReferences", out)
             continue
         _diff(live.get(key), want, key, out)
     return out
@@ -132,6 +136,12 @@ def _diff(live: Any, want: Any, path: str, out: list[str]) -> None:
             sub = f"{path}.{key}" if _plain(key) else f"{path}[{key}]"
             _diff(live.get(key), value, sub, out)
     elif isinstance(want, list):
+        keys = _list_keys(path, want)
+        if keys is not None and isinstance(live, list):  # each rendered item, found by its key
+            items = {_item_key(item, keys): item for item in live if isinstance(item, Mapping)}
+            for n, value in enumerate(want):
+                _diff(items.get(_item_key(value, keys)), value, f"{path}[{n}]", out)
+            return
         if not isinstance(live, list) or len(live) != len(want):
             out.append(path)
             return
@@ -145,6 +155,27 @@ def _diff(live: Any, want: Any, path: str, out: list[str]) -> None:
             _diff(parsed[0], parsed[1], path, out)
     elif not _same_scalar(live, want, path):
         out.append(path)
+
+
+# The lists server-side apply merges item by item (listType=map), by field name -> their key fields:
+# an item another field manager added stays theirs.
+LIST_KEYS: dict[str, tuple[str, ...]] = {
+    "containers": ("name",), "initContainers": ("name",), "env": ("name",), "volumes": ("name",),
+    "volumeMounts": ("mountPath",), "imagePullSecrets": ("name",), "ownerReferences": ("uid",),
+    "ports": ("containerPort", "port", "protocol")}
+
+
+def _list_keys(path: str, want: list[Any]) -> tuple[str, ...] | None:
+    """The key fields of the list at ``path`` when it is merged by key and every rendered item is an
+    object (None: the list is atomic, compared whole)."""
+    name = path.rsplit(".", 1)[-1]
+    keys = LIST_KEYS.get(name)
+    return keys if keys and all(isinstance(item, Mapping) for item in want) else None
+
+
+def _item_key(item: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[Any, ...]:
+    # a port's protocol defaults to TCP
+    return tuple(item.get(k, "TCP" if k == "protocol" else None) for k in keys)
 
 
 def _plain(key: str) -> bool:

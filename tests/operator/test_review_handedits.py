@@ -1,0 +1,92 @@
+"""Children edited by hand, as a cluster's other actors edit them: a mutating webhook injects a
+sidecar into the runtime Deployment (its container is another field manager's: the operator leaves
+it alone, repairs nothing and says nothing), and someone strips the Deployment's ownerReference
+(the operator puts it back, so deleting the ModelDeployment still collects the Deployment)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from rollout_operator import children
+from rollout_operator.spec import parse_spec
+from testbed.cluster import Cluster, wait_for
+from tests.operator.test_e2e_basic import ready_cluster
+
+pytestmark = pytest.mark.timeout(240)
+RUNTIME = "/apis/apps/v1/namespaces/default/deployments/scorer-runtime"
+SIDECAR = {"name": "proxy", "image": "registry.example/proxy:1", "command": ["sleep", "3600"]}
+OWNER = (("apiVersion", "mnnrollout.io/v1alpha1"), ("kind", "ModelDeployment"), ("name", "scorer"),
+         ("uid", "u-1"), ("controller", True), ("blockOwnerDeletion", True))
+
+
+def rendered_deployment() -> dict[str, Any]:
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}]})
+    target = children.Target("scorer", "default", OWNER)
+    config = children.runtime_config(spec, "scorer", {"v1": 100}, "v1", ["v1"])
+    return children.render_deployment(target, spec, config)
+
+
+def test_items_others_add_to_keyed_lists_are_not_drift_and_a_removed_owner_reference_is() -> None:
+    deployment = rendered_deployment()
+    live = copy.deepcopy(deployment)
+    pod = live["spec"]["template"]["spec"]
+    # what a sidecar injector adds: a container (first), a volume, a mount and a variable on the runtime
+    pod["containers"].insert(0, {**SIDECAR, "volumeMounts": [{"name": "certs", "mountPath": "/certs"}]})
+    pod["volumes"].append({"name": "certs", "emptyDir": {}})
+    pod["containers"][1]["env"].append({"name": "HTTP_PROXY", "value": "http://127.0.0.1:15001"})
+    pod["containers"][1]["volumeMounts"].append({"name": "certs", "mountPath": "/certs"})
+    live["metadata"]["ownerReferences"].append({"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "u-2"})
+    assert children.drift(live, deployment) == []  # before: ["spec.template.spec.containers"], every reconcile
+    # the operator's own items are still compared, wherever they are in the list
+    pod["containers"][1]["image"] = "other:1"
+    del pod["containers"][1]["env"][0]
+    assert children.drift(live, deployment) == ["spec.template.spec.containers[0].image",
+                                                "spec.template.spec.containers[0].env[0]"]
+    # an ownerReference removed by hand is drift (before: not compared, never put back)
+    del live["metadata"]["ownerReferences"][0]
+    assert "metadata.ownerReferences[0]" in children.drift(live, deployment)
+
+
+def _repairs(cluster: Cluster) -> list[str]:
+    return [e.get("message", "") for e in cluster.events() if e["reason"] == "DriftRepaired"]
+
+
+def test_a_sidecar_injected_into_the_deployment_is_left_alone_without_repairs_or_events(cluster: Cluster) -> None:
+    ready_cluster(cluster, weights={"v1": 90, "v2": 10})
+    patch = {"spec": {"template": {"spec": {"containers": [SIDECAR]}}}}
+    cluster.emu.kubectl("patch", "deployment", "scorer-runtime", "--type", "strategic", "-p", json.dumps(patch))
+    generation = cluster.emu.request("GET", RUNTIME)[1]["metadata"]["generation"]
+    # later reconciles (new weights, polled until the pods serve them)
+    cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":80,"v2":20}}}')
+    wait_for(lambda: cluster.status().get("weights") == {"v1": 80, "v2": 20}
+             and cluster.condition("WeightsServed")["status"] == "True", 60, "weights 80/20 served")
+    _, deployment = cluster.emu.request("GET", RUNTIME)
+    assert [c["name"] for c in deployment["spec"]["template"]["spec"]["containers"]] == ["runtime", "proxy"]
+    assert deployment["metadata"]["generation"] == generation  # the operator did not touch the pod template
+    # before: a DriftRepaired Event "put back ... spec.template.spec.containers" on every reconcile
+    # (11 in 6 s), for a container that stayed
+    assert _repairs(cluster) == []
+
+
+def test_an_owner_reference_removed_by_hand_is_put_back(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    uid = cluster.md()["metadata"]["uid"]
+    cluster.emu.kubectl("patch", "deployment", "scorer-runtime", "--type", "json", "-p",
+                        '[{"op":"remove","path":"/metadata/ownerReferences"}]')
+
+    # a later reconcile (an edit of ownerReferences alone wakes none: wakeups.child_signature leaves them out)
+    cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":80,"v2":20}}}')
+
+    def owners() -> list[str]:
+        return [o["uid"] for o in cluster.emu.request("GET", RUNTIME)[1]["metadata"].get("ownerReferences") or []]
+
+    # before: never put back (drift did not compare it), so deleting the ModelDeployment left the
+    # Deployment and its pods running
+    wait_for(lambda: owners() == [uid], 30, "the ownerReference put back")
+    wait_for(lambda: any("metadata.ownerReferences" in m for m in _repairs(cluster)), 20, "DriftRepaired naming it")
+
+
