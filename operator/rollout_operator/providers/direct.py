@@ -8,10 +8,14 @@ the shadow version's ``mnn_shadow_*`` counters and histograms give ``Sample.shad
 Counters and histogram buckets are summed across pods; the analysis interval's values are the
 deltas since the previous scrape of the same pod. The first scrape of an object only sets the
 baseline. Every scrape keeps the series of every metric of the analysis and the shadow series,
-whichever the step is judged by, so the step after a shadow step counts only its own interval. A pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted:
-its counters began again at 0, so their current values are the interval's. A pod missed by one
+whichever the step is judged by, so the step after a shadow step counts only its own interval. A
+pod whose process start time (``mnn_runtime_start_time_seconds``) changed restarted: its counters
+began again at 0, so their current values are the interval's. A pod missed by one
 scrape keeps its baseline for the next, and makes this interval's sample an error (inconclusive):
-its requests went uncounted, so the interval has no request count.
+its requests went uncounted, so the interval has no request count. A pod without a baseline is
+counted from its start only when its process started after the rollout's first scrape and was
+never counted before; else (missed by the first scrape, or back in the pod list after leaving it)
+its counters hold what came before, so it only sets its baseline and the sample is an error.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +41,15 @@ STARTED = "mnn_runtime_start_time_seconds"
 
 # pod url -> series key -> value ; series key = (metric, version, label)
 Snapshot = dict[str, dict[tuple[str, str, str], float]]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What one rollout's next look counts from."""
+
+    since: float  # when its first scrape was taken (epoch s): a process started later counted nothing before
+    pods: Snapshot  # each pod's series at its last scrape
+    counted: frozenset[tuple[str, float | None]]  # (pod url, process start time) of every process counted
 
 
 CUSTOM = "custom"  # series key (CUSTOM, version, metric spec name): a counter, compared across scrapes
@@ -112,7 +126,7 @@ def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
 class DirectProvider:
     def __init__(self, fetch: Callable[[str], str] | None = None, timeout: float = 2.0) -> None:
         self._fetch = fetch or (lambda url: pods_http().get(url + "/metrics", timeout=timeout).text)
-        self._previous: dict[str, tuple[float, Snapshot]] = {}
+        self._previous: dict[str, Baseline] = {}
         self._lock = threading.Lock()
 
     def is_online(self) -> bool:
@@ -141,12 +155,15 @@ class DirectProvider:
         # Every series any step reads, whichever this one is judged by: a series left out of one scrape
         # would have no baseline at the next, and count all its pod ever counted as one interval's.
         current, errors = self._scrape(list(ctx.pod_urls), ctx.model, ctx.tracked or ctx.metrics)
+        now = time.time()
         with self._lock:
             previous = self._previous.get(ctx.key)
             # Pods missed by this scrape keep their baseline (dropped once they leave the pod list).
-            kept = {url: series for url, series in (previous[1] if previous else {}).items()
+            kept = {url: series for url, series in (previous.pods if previous else {}).items()
                     if url in ctx.pod_urls and url not in current}
-            self._previous[ctx.key] = (time.monotonic(), {**kept, **current})
+            counted = frozenset((url, series.get((STARTED, "", ""))) for url, series in current.items())
+            self._previous[ctx.key] = Baseline(previous.since if previous else now, {**kept, **current},
+                                               (previous.counted if previous else frozenset()) | counted)
             owner = ctx.key.split("@", 1)[0] + "@"
             for stale in [k for k in self._previous if k.startswith(owner) and k != ctx.key]:
                 del self._previous[stale]  # an earlier rollout of the same object
@@ -156,9 +173,13 @@ class DirectProvider:
             # A pod that did not answer served traffic nobody counted: no request count, no verdict.
             return {v: Sample(error="not every pod could be scraped: " + ("; ".join(errors) or "no pod answered"))
                     for v in ctx.versions}
+        unknown = [url for url, series in current.items() if not countable(url, series, previous)]
+        if unknown:
+            return {v: Sample(error="no baseline of " + ", ".join(unknown) + " from before this interval (its "
+                              "counters hold what came before): values from the next interval") for v in ctx.versions}
         delta: dict[tuple[str, str, str], float] = defaultdict(float)
         for url, series in current.items():
-            before = previous[1].get(url, {})
+            before = previous.pods.get(url, {})
             if before.get((STARTED, "", "")) != series.get((STARTED, "", "")):
                 before = {}  # a new pod, or a restarted process: everything it counted is new
             for key, value in series.items():
@@ -197,6 +218,16 @@ class DirectProvider:
     def forget(self, key: str) -> None:
         with self._lock:
             self._previous.pop(key, None)
+
+
+def countable(url: str, series: Mapping[tuple[str, str, str], float], previous: Baseline) -> bool:
+    """Whether this scrape of the pod at ``url`` gives the interval's counts: from its baseline, or,
+    without one, from its start when its process started after the rollout's first scrape (a new pod
+    or a restarted one) and was never counted before (a pod back in the pod list after leaving it)."""
+    if url in previous.pods:
+        return True  # the same process since its baseline, or one that restarted since: counted from its start
+    started = series.get((STARTED, "", ""))
+    return started is not None and started >= previous.since and (url, started) not in previous.counted
 
 
 def shadow_sample(version: str, delta: Mapping[tuple[str, str, str], float]) -> ShadowSample:
