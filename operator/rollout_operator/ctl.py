@@ -81,7 +81,10 @@ def _await_answer(kube: KubeClient, namespace: str, name: str,
 def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
     """A tree of the rollout: versions and weights, step, each analysis metric, conditions, pods."""
     meta, spec, st = md["metadata"], md.get("spec") or {}, md.get("status") or {}
-    lines = [f"{meta['namespace']}/{meta['name']}  phase {st.get('phase', '?')}  ready {st.get('readyText', '?')}"]
+    stale = "" if observed(md) else \
+        f"  (spec generation {meta.get('generation')} not observed yet: the status is of an earlier spec)"
+    lines = [f"{meta['namespace']}/{meta['name']}  phase {st.get('phase', '?')}  ready {st.get('readyText', '?')}"
+             + stale]
     lines.append(f"├─ stable  {st.get('stableVersion', '?')}")
     if st.get("canaryVersion"):
         shadow = f"  shadow {st['shadowPercent']}% of stable's requests" if st.get("shadowPercent") else ""
@@ -117,6 +120,13 @@ def render(md: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> str:
     return "\n".join(lines)
 
 
+def observed(md: dict[str, Any]) -> bool:
+    """Whether the status describes the current spec: the operator observed its generation."""
+    generation = md["metadata"].get("generation")
+    seen = (md.get("status") or {}).get("observedGeneration")
+    return generation is None or (seen is not None and seen >= generation)
+
+
 def _comparison_lines(st: dict[str, Any]) -> list[str]:
     """compare: stable metrics (estimate, always-valid interval, decision) and an experiment."""
     def one(label: str, e: dict[str, Any]) -> str:
@@ -145,7 +155,8 @@ def _comparison_lines(st: dict[str, Any]) -> list[str]:
 def status(kube: KubeClient, namespace: str, name: str, watch: bool, timeout: float | None,
            as_json: bool = False) -> int:
     """Print the rollout; with --watch redraw until it ends. Exit 1 if it ended RolledBack/Failed,
-    2 on --timeout (like ``kubectl argo rollouts status``)."""
+    2 on --timeout (like ``kubectl argo rollouts status``). A status of an earlier spec (the
+    operator has not observed the current generation yet) is not an end."""
     deadline = time.monotonic() + timeout if timeout else None
     tty = sys.stdout.isatty()
     while True:
@@ -161,7 +172,7 @@ def status(kube: KubeClient, namespace: str, name: str, watch: bool, timeout: fl
                                                                           "Initializing")
         if not watch and not timeout:
             return DONE_PHASES.get(phase, 0)
-        if not rolling and phase in DONE_PHASES:
+        if not rolling and phase in DONE_PHASES and observed(md):
             return DONE_PHASES[phase]
         if deadline is not None and time.monotonic() > deadline:
             print(f"timed out waiting for {namespace}/{name} (phase {phase})", file=sys.stderr)
