@@ -22,7 +22,9 @@ from ..verdicts import Sample, ShadowSample
 from .base import QUANTILES, SampleContext
 from .direct import is_counter
 
-SELECTOR = 'model="{model}",version="{version}"'
+# One ModelDeployment's series: its model and version, in its namespace and of its pods (the chart's
+# PodMonitor labels each series with both; series without the labels, scraped some other way, match too)
+SELECTOR = 'model="{model}",version="{version}",namespace=~"{namespace}|",modeldeployment=~"{name_regex}|"'
 QUERIES = {
     "requests": "sum(increase(mnn_inference_requests_total{%s}[{interval}]))" % SELECTOR,
     "errors": 'sum(increase(mnn_inference_requests_total{%s,outcome!="success"}[{interval}]))' % SELECTOR,
@@ -56,7 +58,8 @@ class PrometheusProvider:
         self.http = httpx.Client(timeout=timeout, headers=self.headers)  # one pool, not a client per query
 
     def query(self, promql: str, at: float | None = None) -> float | None:
-        """The value of an instant query with one series at time ``at``; None when it returns nothing."""
+        """The value of an instant query with one series (or a scalar) at time ``at``; None when it
+        returns nothing; PrometheusError when it returns several series (which one would be arbitrary)."""
         params = {"query": promql}
         if at is not None:
             params["time"] = f"{at:.3f}"
@@ -70,7 +73,15 @@ class PrometheusProvider:
             raise PrometheusError(f"{self.address} answered {resp.status_code} without JSON") from None
         if resp.status_code != 200 or body.get("status") != "success":
             raise PrometheusError(f"query {promql!r} failed: {body.get('error', resp.status_code)}")
-        result = body.get("data", {}).get("result", [])
+        data = body.get("data") or {}
+        result = data.get("result") or []
+        if data.get("resultType") == "scalar":
+            result = [{"value": result}]
+        elif data.get("resultType") != "vector":
+            raise PrometheusError(f"query {promql!r} gave a {data.get('resultType')}, not one value")
+        if len(result) > 1:
+            raise PrometheusError(f"query {promql!r} gave {len(result)} series, not one value: aggregate them "
+                                  f"(sum, max, ...)")
         if not result:
             return None
         value = float(result[0]["value"][1])
@@ -95,7 +106,8 @@ class PrometheusProvider:
         window = f"{int(seconds)}s"
         out = {}
         for version in ctx.versions:
-            values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window)
+            values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window,
+                          name_regex=ctx.name.replace(".", "\\\\."))  # a name's dots, literal in PromQL's regex
             try:
                 requests = self.query(_fill(QUERIES["requests"], values), at)
                 errors = self.query(_fill(QUERIES["errors"], values), at)
