@@ -30,8 +30,8 @@ from .metrics import RuntimeMetrics
 from .registry import Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
-from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE,
-                              RELOAD_MESSAGE, send_message)
+from .workers_channel import (ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION,
+                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, send_message)
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -275,6 +275,15 @@ class _Server(uvicorn.Server):
             os.write(self.ready_fd, b"r")
             os.close(self.ready_fd)
             self.ready_fd = None
+            if self.channel is not None:
+                self._alive()
+
+    def _alive(self) -> None:
+        """Tell the supervisor this worker's loop runs, now and every ALIVE_SECONDS (a loop stuck
+        in a forward says nothing: the supervisor then replaces this worker)."""
+        assert self.channel is not None and self._loop is not None
+        send_message(os.getpid(), self.channel, ALIVE_MESSAGE, quiet=True)
+        self._loop.call_later(ALIVE_SECONDS, self._alive)
 
     def _protocol(self) -> asyncio.Protocol:
         return self.config.http_protocol_class(  # type: ignore[call-arg]

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 # listener is left alone this long instead of being retried in a tight loop (asyncio's own delay)
 ACCEPT_RETRY_SECONDS = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# A serving worker says it is alive every second from its event loop; one silent this long has its
+# loop stuck (a forward that never returns): it is killed and replaced. Its connections waited for
+# ever, and its probes, dealt in turn with the others', failed too seldom for the kubelet to act.
+HANG_SECONDS = 30.0
 
 
 class Supervisor(WorkerPool):
@@ -66,8 +70,10 @@ class Supervisor(WorkerPool):
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
                  metrics_dir: Path | None, apply: Callable[[Any], bool] | None = None,
                  ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None,
-                 grpc_sock: socket.socket | None = None) -> None:
+                 grpc_sock: socket.socket | None = None, hang_timeout: float = HANG_SECONDS) -> None:
         super().__init__(workers, sock, serve_one, metrics_dir, grpc_sock)
+        self.hang_timeout = hang_timeout
+        self._heard: dict[int, float] = {}  # serving worker -> when it last wrote (ALIVE_MESSAGE, ...)
         self.apply = apply
         self.reload = reload  # load again versions a worker loaded for a request; True: replace the workers
         self._reloads: set[str] = set()
@@ -139,8 +145,10 @@ class Supervisor(WorkerPool):
                 del self._accept_paused[listener]
         if self._accept_paused:
             timeout = min(timeout, min(self._accept_paused.values()) - now)
+        self._kill_hung(now)
         listening = {s.fileno(): s for s in self.listeners if s not in self._accept_paused}
         channels = {ch.fileno(): ch for pid, ch in self._channels.items() if pid not in self.retiring}
+        by_channel = {ch.fileno(): pid for pid, ch in self._channels.items()}
         fds = [self._wake_r, *self._ready_fds.values(), *listening, *channels]
         try:
             readable, _, _ = select.select(fds, [], [], timeout)
@@ -160,7 +168,7 @@ class Supervisor(WorkerPool):
                 self._accept(listening[fd])
                 continue
             if fd in channels:
-                self._from_worker(channels[fd])
+                self._from_worker(by_channel[fd], channels[fd])
                 continue
             pid = by_fd[fd]
             os.read(fd, 1)  # a byte: the child serves; b"" (EOF): it died first
@@ -168,20 +176,45 @@ class Supervisor(WorkerPool):
             del self._ready_fds[pid]
             if pid in self.children:
                 self.ready.add(pid)
+                self._heard[pid] = time.monotonic()
                 log.info("worker pid %d serves", pid)
 
-    def _from_worker(self, channel: socket.socket) -> None:
-        """What a worker wrote back: the versions it loaded again for a request (the next
-        ``_apply_pending`` loads them here too)."""
-        try:
-            data = channel.recv(4096, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data.startswith(RELOAD_MESSAGE):
-            self._reloads.add(data[len(RELOAD_MESSAGE):].decode(errors="replace"))
-            self._wake()
+    def _from_worker(self, pid: int, channel: socket.socket) -> None:
+        """What a worker wrote back: that it is alive, the versions it loaded again for a request
+        (the next ``_apply_pending`` loads them here too)."""
+        while True:
+            try:
+                data = channel.recv(4096, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            self._heard[pid] = time.monotonic()
+            if data.startswith(RELOAD_MESSAGE):
+                self._reloads.add(data[len(RELOAD_MESSAGE):].decode(errors="replace"))
+                self._wake()
+
+    def _kill_hung(self, now: float) -> None:
+        """Kill every serving worker silent for ``hang_timeout`` (what it wrote meanwhile, read
+        first: this loop may have been the slow one); it is replaced as one that died."""
+        for pid in [p for p in self._heard if p not in self.children or p in self.retiring]:
+            del self._heard[pid]
+        for pid, heard in list(self._heard.items()):
+            if now - heard < self.hang_timeout or pid not in self.ready:
+                continue
+            self._from_worker(pid, self._channels[pid])
+            if self._heard[pid] != heard:
+                continue
+            log.error("worker pid %d has not answered for %.0f s (its loop is stuck): killed, and replaced",
+                      pid, now - heard)
+            self.ready.discard(pid)  # no connection for it until it is reaped
+            del self._heard[pid]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def broadcast(self, message: bytes) -> None:
         """Send a message to every worker that is not being retired (on the supervisor's thread)."""

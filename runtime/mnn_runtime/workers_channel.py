@@ -7,9 +7,10 @@ the supervisor sends it either an accepted connection (one byte saying which ser
 ``send_connection``) or a config (``CONFIG_MESSAGE`` then the config's YAML, in
 one message of at most ``MAX_CONFIG_BYTES``: ``send_config``), or the versions to unload
 (``OFFLOAD_MESSAGE`` then their names, comma-separated). The worker's end is read by the worker's
-HTTP server (``server._Server._receive``). A worker writes back one kind of message: a version it
+HTTP server (``server._Server._receive``). A worker writes back two kinds of message: a version it
 loaded again for a request (``RELOAD_MESSAGE`` then its name), so that the supervisor loads it too
-and forks workers that share it (``workers.Supervisor``).
+and forks workers that share it (``workers.Supervisor``); and ``ALIVE_MESSAGE`` every
+``ALIVE_SECONDS`` from its event loop, by which the supervisor tells a worker whose loop is stuck.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
 OFFLOAD_MESSAGE = b"offload\n"  # supervisor -> worker: unload these versions (names, comma-separated)
 RELOAD_MESSAGE = b"reload\n"  # worker -> supervisor: this version was loaded again for a request
+ALIVE_MESSAGE = b"alive\n"  # worker -> supervisor, every ALIVE_SECONDS: its event loop runs
+ALIVE_SECONDS = 1.0
 CONNECTION = b"c"  # supervisor -> worker: an accepted HTTP connection (its descriptor beside)
 GRPC_CONNECTION = b"g"  # supervisor -> worker: an accepted gRPC connection (serve --grpc-port)
 MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)

@@ -50,3 +50,25 @@ def test_a_worker_whose_channel_was_full_when_weights_changed_gets_them_once_it_
     while (seen := [_status(server.url)["weights"] for _ in range(6)]) != [{"v1": 40, "v2": 60}] * 6:
         assert time.monotonic() < deadline, f"a worker still routes by the old weights: {seen}"
         time.sleep(0.2)
+
+
+def test_a_worker_whose_loop_hangs_is_killed_and_replaced(server: RuntimeServer) -> None:  # noqa: F811
+    """A worker whose event loop is stuck (here: stopped; in a pod, a forward that never returns)
+    answers nothing, and the connections dealt to it wait for ever while its probes fail only now
+    and then (dealt in turn): the supervisor must notice its silence, kill it and start another."""
+    assert server.proc is not None
+    stuck = children(server.proc.pid)[0]
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 90
+        while stuck in (now := children(server.proc.pid)) or len(now) != 2:
+            assert time.monotonic() < deadline, f"the stuck worker {stuck} is still there: {now}"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.kill(stuck, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert f"worker pid {stuck} has not answered" in server.log()
+    for _ in range(6):  # a new connection each: dealt to both workers
+        assert httpx.get(server.url + "/v2/health/ready", timeout=5).status_code == 200
