@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE, send_config,
-                              send_connection, send_message)
+from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES, RELOAD_MESSAGE,
+                              send_config, send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Supervisor(WorkerPool):
 
     def _started(self, pid: int, channel: socket.socket) -> None:
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
-            if not send_config(pid, channel, self._deferred[1]):
+            if not send_config(pid, channel, self._deferred[1]) and self._deferred[1] == self._config_text:
                 self._missed.add(pid)
 
     def run(self) -> int:
@@ -264,9 +264,10 @@ class Supervisor(WorkerPool):
         """Send a config to every worker (they apply new weights at once; a version they do not
         have yet stays pending until they are replaced). One whose channel is full (its loop busy,
         connections piled up) gets it again as soon as it takes it (``_send_missed``)."""
-        self._config_text = text
-        self._missed = {pid for pid, channel in list(self._channels.items())
-                        if pid not in self.retiring and not send_config(pid, channel, text)}
+        missed = {pid for pid, channel in list(self._channels.items())
+                  if pid not in self.retiring and not send_config(pid, channel, text)}
+        if len(CONFIG_MESSAGE) + len(text) <= MAX_CONFIG_BYTES:  # else no worker ever takes it (logged)
+            self._config_text, self._missed = text, missed
 
     def _send_missed(self, pid: int) -> bool:
         """Send the newest config again to a worker that missed it; True once it took it."""
