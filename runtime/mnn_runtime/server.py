@@ -383,7 +383,10 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
         applier = ConfigApplier(runtime.registry.apply)
         on_config = lambda text: applier.offer(text.decode(), "the supervisor")  # noqa: E731
         # a version it loaded again for a request: the supervisor loads it too, for the next workers
-        runtime.registry.on_reload = lambda name: send_message(os.getpid(), channel, RELOAD_MESSAGE + name.encode())
+        def reloaded(name: str) -> None:
+            send_message(os.getpid(), channel, RELOAD_MESSAGE + name.encode())
+
+        runtime.registry.on_reload = reloaded
     config = _uvicorn_config(runtime, host, port, log_level)
     server = _Server(config, runtime.app, channel, ready_fd, on_config)
     server.on_offload = runtime.registry.offload
