@@ -22,7 +22,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,14 +136,18 @@ class _Process:
 
 
 class Prometheus(_Process):
-    """``prometheus`` scraping ``scrape_targets`` (host:port, job ``mnn-runtime``, path /metrics)."""
+    """``prometheus`` scraping ``scrape_targets`` (host:port, job ``mnn-runtime``, path /metrics);
+    ``target_labels`` gives a target labels of its own (as the chart's PodMonitor sets ``namespace``
+    and ``modeldeployment``)."""
 
     name = "prometheus"
 
     def __init__(self, workdir: Path, scrape_targets: Sequence[str], rule_files: Sequence[Path] | None = None,
                  alertmanager_url: str | None = None, scrape_interval: str = "1s",
-                 evaluation_interval: str = "1s", port: int | None = None) -> None:
+                 evaluation_interval: str = "1s", port: int | None = None,
+                 target_labels: Mapping[str, Mapping[str, str]] | None = None) -> None:
         self.binary = require_binary(PROMETHEUS_BIN)
+        self.target_labels = {target: dict(labels) for target, labels in (target_labels or {}).items()}
         super().__init__(Path(tempfile.mkdtemp(prefix="prometheus-", dir=workdir)), port)
         self.targets = list(scrape_targets)
         self.rule_files = [Path(p).resolve() for p in rule_files or ()]
@@ -158,8 +162,9 @@ class Prometheus(_Process):
         cfg: dict[str, Any] = {
             "global": {"scrape_interval": self.scrape_interval, "scrape_timeout": self.scrape_interval,
                        "evaluation_interval": self.evaluation_interval},
-            "scrape_configs": [{"job_name": JOB, "metrics_path": "/metrics",
-                                "static_configs": [{"targets": list(self.targets)}]}],
+            "scrape_configs": [{"job_name": JOB, "metrics_path": "/metrics", "static_configs": [
+                {"targets": [t], "labels": self.target_labels[t]} if t in self.target_labels else {"targets": [t]}
+                for t in self.targets]}],
         }
         if self.rule_files:
             cfg["rule_files"] = [str(p) for p in self.rule_files]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ import kubernetes
 import pytest
 import yaml
 
+from mnn_rollout.local.net import wait_for
 from rollout_operator.alerts import EVICTED_THREADS, MAX_CONNECTIONS, AlertWebhook, instance
 from rollout_operator.kube import KubeClient
 from rollout_operator.reconcile import ALERT_ANNOTATION
@@ -30,6 +32,7 @@ from testbed.promstack import (  # noqa: F401  (fixtures)
     send,
     write_runtime_config,
 )
+from tests.k8s.helpers import create_namespace
 from tests.runtime_server import RuntimeServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -628,15 +631,15 @@ def test_clients_without_the_token_reconnecting_as_soon_as_closed_do_not_keep_al
 
 
 def wait_for_mark(kube: KubeClient, deadline_s: float, prefix: str, poll: Callable[[], None] = lambda: None,
-                  ) -> tuple[str, float]:
+                  namespace: str = "default") -> tuple[str, float]:
     started = time.monotonic()
     while time.monotonic() - started < deadline_s:
         poll()
-        value = mark(kube)
+        value = mark(kube, namespace=namespace)
         if value is not None and value.startswith(prefix):
             return value, time.monotonic() - started
         time.sleep(0.05)
-    raise AssertionError(f"no {prefix!r} mark within {deadline_s} s (mark: {mark(kube)!r})")
+    raise AssertionError(f"no {prefix!r} mark within {deadline_s} s (mark: {mark(kube, namespace=namespace)!r})")
 
 
 def test_an_alert_posted_to_alertmanager_reaches_the_webhook_and_marks_the_canary(
@@ -666,18 +669,12 @@ def test_alertmanager_with_the_wrong_token_is_refused_and_marks_nothing(
     assert mark(kube) is None
 
 
-FAST_RULES = """
-groups:
-  - name: mnn-rollout-canary-fast
-    rules:
-      - alert: MNNCanaryHighErrorRate
-        expr: |
-          sum by (model, version) (rate(mnn_inference_requests_total{outcome!="success"}[10s]))
-            / sum by (model, version) (rate(mnn_inference_requests_total[10s])) > 0.05
-          and on (model, version) (mnn_version_traffic_weight_ratio > 0 and mnn_version_traffic_weight_ratio < 1)
-        for: 1s
-        labels: {severity: critical}
-"""
+def fast_rules(path: Path) -> Path:
+    """The project's rules (examples/prometheus-rules.yaml) with 10 s windows and ``for: 1s``, at ``path``."""
+    rules = (ROOT / "examples" / "prometheus-rules.yaml").read_text()
+    assert "[1m]" in rules and "for: 30s" in rules
+    path.write_text(rules.replace("[1m]", "[10s]").replace("for: 30s", "for: 1s").replace("for: 1m", "for: 1s"))
+    return path
 
 
 def test_canary_errors_scraped_by_prometheus_fire_a_rule_that_marks_the_canary(
@@ -689,8 +686,7 @@ def test_canary_errors_scraped_by_prometheus_fire_a_rule_that_marks_the_canary(
     config = write_runtime_config(examples_dir, tmp_path / "runtime.yaml", versions=("v1", "v2"),
                                   weights={"v1": 90, "v2": 10})
     pod = start_server(config)
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(FAST_RULES)
+    rules = fast_rules(tmp_path / "rules.yaml")
     am = alertmanager_factory(url(webhook), TOKEN)
     prom = prometheus_factory([f"127.0.0.1:{pod.port}"], rule_files=[rules], alertmanager_url=am.url)
     prom.wait_for_up(30)
@@ -700,3 +696,39 @@ def test_canary_errors_scraped_by_prometheus_fire_a_rule_that_marks_the_canary(
                              poll=lambda: send(pod.url, "v2", good=1, bad=1) and None)
     print(f"\nerror onset -> webhook mark (1 s scrape/evaluation, for: 1s): {time.monotonic() - onset:.2f} s")
     assert prom.alerts() and prom.alerts()[0]["labels"]["version"] == "v2"
+
+
+def test_the_rules_keep_the_namespace_so_a_failing_canary_never_rolls_back_its_namesake(
+        emu: EmulatorProcess, kube: KubeClient, webhook: AlertWebhook, examples_dir: Path, tmp_path: Path,
+        start_server: Callable[..., RuntimeServer],
+        prometheus_factory: Callable[..., Prometheus],  # noqa: F811
+        alertmanager_factory: Callable[..., Alertmanager]) -> None:  # noqa: F811
+    """Found in review: the rules summed ``by (model, version)``, so every alert reached the webhook
+    without a namespace, and a v2 canary failing in staging rolled back prod's healthy v2 canary of
+    the same model too. Each pod is scraped with the labels the chart's PodMonitor gives it."""
+    config = write_runtime_config(examples_dir, tmp_path / "runtime.yaml", versions=("v1", "v2"),
+                                  weights={"v1": 90, "v2": 10})
+    pods = {ns: start_server(config) for ns in ("staging", "prod")}
+    for ns in pods:
+        create_namespace(emu, ns)
+        create_md(kube, namespace=ns, status=CANARY_STATUS)
+    labelled = {f"127.0.0.1:{pod.port}": {"namespace": ns, "modeldeployment": "scorer"} for ns, pod in pods.items()}
+    am = alertmanager_factory(url(webhook), TOKEN)
+    prom = prometheus_factory(list(labelled), rule_files=[fast_rules(tmp_path / "rules.yaml")],
+                              alertmanager_url=am.url, target_labels=labelled)
+    prom.wait_for_up(30)
+
+    def traffic() -> None:
+        send(pods["staging"].url, "v2", good=1, bad=1)
+        send(pods["prod"].url, "v2", good=2)
+
+    wait_for_mark(kube, 40, "MNNCanaryHighErrorRate@", poll=traffic, namespace="staging")
+    # Alertmanager times a notification once the webhook has answered it: the one that marked staging
+    # is done, and it marked nothing else
+    latency = re.compile(r'^alertmanager_notification_latency_seconds_count\{[^}]*integration="webhook"[^}]*\} (\S+)$',
+                         re.M)
+    wait_for(lambda: sum(float(n) for n in latency.findall(httpx.get(am.url + "/metrics", timeout=5).text)) >= 1,
+             15, "Alertmanager's webhook notification answered")
+    assert mark(kube, namespace="prod") is None
+    firing = [a["labels"] for a in prom.alerts()]
+    assert firing and all(a.get("namespace") == "staging" for a in firing), firing

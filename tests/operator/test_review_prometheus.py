@@ -4,10 +4,9 @@ pod's series carry its ``namespace`` and ``modeldeployment``, as the chart's Pod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,20 +20,6 @@ from tests.runtime_server import RuntimeServer
 # per namespace: version -> (good, bad). team-a's canary fails 2 of its 10 requests; team-b's serves 100 well
 TRAFFIC = {"team-a": {"v2": (8, 2), "v1": (40, 0)}, "team-b": {"v2": (100, 0), "v1": (40, 0)}}
 ANALYSIS = AnalysisSpec.model_validate({"minRequests": 10, "metrics": [{"name": "error-rate", "max": 0.05}]})
-
-
-class LabelledPrometheus(Prometheus):
-    """Prometheus scraping each target with its own target labels."""
-
-    def __init__(self, workdir: Path, labelled: Mapping[str, Mapping[str, str]]) -> None:
-        self.labelled = dict(labelled)
-        super().__init__(workdir, list(labelled))
-
-    def config(self) -> dict[str, Any]:
-        cfg = super().config()
-        cfg["scrape_configs"][0]["static_configs"] = [{"targets": [target], "labels": dict(labels)}
-                                                      for target, labels in self.labelled.items()]
-        return cfg
 
 
 @dataclass
@@ -53,7 +38,7 @@ def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         for pod in pods.values():
             pod.start()
         labelled = {f"127.0.0.1:{pod.port}": {"namespace": ns, "modeldeployment": "scorer"} for ns, pod in pods.items()}
-        prometheus = LabelledPrometheus(workdir, labelled).start()
+        prometheus = Prometheus(workdir, list(labelled), target_labels=labelled).start()
         prometheus.wait_for_up(30)
         for ns, traffic in TRAFFIC.items():
             for version, (good, bad) in traffic.items():
@@ -84,7 +69,8 @@ def test_a_canary_is_judged_on_its_own_namespace_never_on_a_namesake_in_another(
         sample = provider.sample(ctx(namespace))
         good, bad = traffic["v2"]
         assert sample["v2"].error is None, sample
-        assert good + bad - 1e-6 <= (sample["v2"].requests or 0) <= (good + bad) * 1.5, (namespace, sample)
+        # increase() extrapolates a series younger than its window: up to ~2x here, never the other's 100
+        assert good + bad - 1e-6 <= (sample["v2"].requests or 0) <= (good + bad) * 3, (namespace, sample)
         assert sample["v2"].error_rate == pytest.approx(bad / (good + bad), abs=0.02), (namespace, sample)
         verdict = evaluate(ANALYSIS, sample["v2"], sample["v1"], now=0.0).verdict
         assert verdict == (FAIL if bad else PASS), (namespace, sample)
