@@ -208,22 +208,18 @@ class RuntimeMetrics:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not directory:
             return generate_latest(self.registry) + generate_latest(self._processes)
-        from prometheus_client import multiprocess
+        from .workers_metrics import collect
 
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=directory)
-        return generate_latest(registry) + generate_latest(self._processes)
+        return generate_latest(collect(directory)) + generate_latest(self._processes)
 
     def activity(self) -> dict[str, tuple[float, float]]:
         """Per version: (requests answered, requests in flight), over every worker. A version whose
         pair has not changed and has nothing in flight was not used meanwhile."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if directory:
-            from prometheus_client import multiprocess
+            from .workers_metrics import collect
 
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry, path=directory)
-            families = registry.collect()
+            families = collect(directory).collect()
         else:
             families = self.registry.collect()
         answered: dict[str, float] = {}

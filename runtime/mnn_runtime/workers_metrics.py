@@ -2,17 +2,29 @@
 
 Every worker writes its samples to files in one directory and /metrics sums them, so a scrape
 shows the whole pod. A dead worker's counters stay in the sum (the pod's totals never go
-backwards); its live gauges are dropped.
+backwards); its live gauges are dropped. Its other files are merged into one archive per kind
+(``counter_archive.db``, ``gauge_sum_archive.db``, ...), so the directory, and the time a scrape
+takes, stay bounded however many workers were replaced (one per added version, per reload of an
+idle version, per crash). A merge and a scrape never overlap: a scrape holds a shared lock on the
+directory, a merge the exclusive one, so no scrape sees a count twice or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 _pid = os.getpid()
+LOCK = ".merge.lock"
+ARCHIVE = "archive"
 
 
 def _forked() -> None:
@@ -39,10 +51,79 @@ def enable_multiprocess_metrics() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _locked(directory: Path | str, operation: int) -> Iterator[None]:
+    with open(os.path.join(directory, LOCK), "a+b") as fh:
+        fcntl.flock(fh.fileno(), operation)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+class _Read:
+    """Metric families read once (under the lock), as a collector."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
+def collect(directory: Path | str) -> CollectorRegistry:
+    """Every worker's samples summed (dead workers' archives included), read now: a registry to
+    give ``generate_latest`` or to ``collect()``."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    with _locked(directory, fcntl.LOCK_SH):
+        families = list(multiprocess.MultiProcessCollector(None, path=str(directory)).collect())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Read(families))  # type: ignore[arg-type]
+    return registry
+
+
 def mark_dead(pid: int, metrics_dir: Path | None) -> None:
-    """Drop the live gauges of a worker that exited (its counters stay in the sum)."""
+    """Drop the live gauges of a worker that exited and merge its other samples into the archives
+    (its counters stay in the sum)."""
     if metrics_dir is None:
         return
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid, str(metrics_dir))
+    with _locked(metrics_dir, fcntl.LOCK_EX):
+        archive(pid, metrics_dir)
+
+
+def _merged(mode: str, old: tuple[float, float] | None, new: tuple[float, float]) -> tuple[float, float]:
+    """An archived (value, timestamp) and a dead process's, as the collector would combine them."""
+    if old is None:
+        return new
+    if mode == "max":
+        return max(old, new)
+    if mode == "min":
+        return min(old, new)
+    if mode == "mostrecent":
+        return new if new[1] >= old[1] else old
+    return old[0] + new[0], max(old[1], new[1])  # counters, histograms, summaries, gauges summed
+
+
+def archive(pid: int, directory: Path) -> None:
+    """Merge process ``pid``'s files into the archives and remove them. Gauges kept per process
+    (``all``) stay as they are: their series are labelled by pid."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    suffix = f"_{pid}.db"
+    for path in sorted(directory.glob(f"*{suffix}")):
+        kind = path.name[:-len(suffix)]  # counter, histogram, summary, gauge_<mode>
+        mode = kind.split("_", 1)[1] if kind.startswith("gauge_") else "sum"
+        if mode not in ("sum", "max", "min", "mostrecent"):
+            continue
+        target = MmapedDict(str(directory / f"{kind}_{ARCHIVE}.db"))
+        try:
+            kept = {key: (value, stamp) for key, value, stamp in target.read_all_values()}
+            for key, value, stamp, _ in MmapedDict.read_all_values_from_file(str(path)):
+                target.write_value(key, *_merged(mode, kept.get(key), (value, stamp)))
+        finally:
+            target.close()
+        path.unlink()
