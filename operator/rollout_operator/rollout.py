@@ -13,7 +13,8 @@ from typing import Any
 from . import comparisons, experiment
 from .verdicts import Analysis
 from .spec import ModelDeploymentSpec
-from .status import Phase, RolloutStatus, epoch, pending_rollback, with_condition, without_pending_rollback
+from .status import (Phase, RolloutStatus, condition, epoch, pending_rollback, with_condition,
+                     without_pending_rollback)
 
 ACTIONS = ("promote", "promote-full", "abort", "retry")
 DEADLINE = "ProgressDeadlineExceeded"  # the reason of a rollback to phase Failed
@@ -73,6 +74,7 @@ def decide(
         st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending)
     st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, world, now, events)
+    st = _progressing(st, events, now)
     if spec.stable and spec.stable != st.declared_stable:  # held by _adopt_stable: say so
         why = world.reasons.get(spec.stable, "not loaded yet")
         st = replace(st, message=f"{st.message}; stable stays {st.stable_version} until {spec.stable} is loaded "
@@ -449,6 +451,34 @@ def _retire(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: flo
     weights = {st.stable_version or "": 100}
     return replace(st, phase=Phase.SUCCEEDED, retired=retired, weights=weights,
                    message=f"{st.stable_version} serves 100%")
+
+
+# Condition Progressing, as Deployments and Argo Rollouts keep it: True while a rollout runs and once it
+# is promoted, False once rolled back (``_rollback``, ``experiment._abort``) or aborted; each transition
+# names the event that made it. Only rollbacks set it before: a retry or a new canary showed the last one.
+_STARTS = ("RolloutRetried", "RolloutRestarted", "CanaryFileChanged", "RolloutStarted", "ExperimentStarted")
+_DONE = ("RolloutSucceeded", "RolloutPromoted", "ExperimentConcluded")
+_ABORTS = ("RolloutAborted", "ExperimentAborted")
+
+
+def _progressing(st: RolloutStatus, events: list[Event], now: float) -> RolloutStatus:
+    said = {e.reason: e.message for e in events}
+    if st.phase in (Phase.PROGRESSING, Phase.PAUSED):
+        reason = next((r for r in _STARTS if r in said), None)
+        if reason is not None:
+            return with_condition(st, "Progressing", "True", reason, said[reason], now)
+        if (condition(st, "Progressing") or {}).get("status") != "True":  # left stale by an earlier operator
+            return with_condition(st, "Progressing", "True", "RolloutProgressing", st.message, now)
+        return st
+    if st.phase in (Phase.ROLLED_BACK, Phase.FAILED):
+        return st  # set by the rollback, with its reason
+    reason = next((r for r in _DONE if r in said), None)
+    if reason is not None:
+        return with_condition(st, "Progressing", "True", reason, said[reason], now)
+    reason = next((r for r in _ABORTS if r in said), None)
+    if reason is not None:  # the canary or experiment removed from the spec while it ran
+        return with_condition(st, "Progressing", "False", reason, said[reason], now)
+    return st
 
 
 def _readiness(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, now: float) -> RolloutStatus:
