@@ -123,9 +123,16 @@ def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
     return prev_bound
 
 
+def _metrics_text(url: str, timeout: float) -> str:
+    """A pod's /metrics; an HTTP error status raises (httpx.HTTPStatusError) whatever its body."""
+    resp = pods_http().get(url + "/metrics", timeout=timeout)
+    resp.raise_for_status()
+    return resp.text
+
+
 class DirectProvider:
     def __init__(self, fetch: Callable[[str], str] | None = None, timeout: float = 2.0) -> None:
-        self._fetch = fetch or (lambda url: pods_http().get(url + "/metrics", timeout=timeout).text)
+        self._fetch = fetch or (lambda url: _metrics_text(url, timeout))
         self._previous: dict[str, Baseline] = {}
         self._lock = threading.Lock()
 
@@ -135,9 +142,12 @@ class DirectProvider:
     def _scrape(self, urls: list[str], model: str, custom: Sequence[MetricSpec]) -> tuple[Snapshot, list[str]]:
         def one(url: str) -> tuple[str, dict[tuple[str, str, str], float] | None, str | None]:
             try:
-                return url, parse(self._fetch(url), model, custom, shadow=True), None
+                series = parse(self._fetch(url), model, custom, shadow=True)
             except (httpx.HTTPError, ValueError) as exc:
                 return url, None, f"{url}: {exc or type(exc).__name__}"
+            if (STARTED, "", "") not in series:  # an empty page, a proxy's, another model's runtime
+                return url, None, f"{url}: no {STARTED} of model {model} in its /metrics: not its runtime"
+            return url, series, None
 
         snapshot: Snapshot = {}
         errors = []
