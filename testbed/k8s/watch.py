@@ -56,7 +56,7 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
                 if event.rv > since and relevant(event):
                     typed = _transition(event, match)
                     if typed:
-                        initial.append((typed, store.render(rd, event.object)))
+                        initial.append((typed[0], store.render(rd, typed[1])))
     start_rv = store.rv
     epoch = store.watch_epoch
     listeners = store.listeners.setdefault((rd.group, rd.plural), set())
@@ -113,7 +113,7 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
             if relevant(event):
                 typed = _transition(event, match)
                 if typed:
-                    await send(typed, store.render(rd, event.object))
+                    await send(typed[0], store.render(rd, typed[1]))
         await response.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # the client went away
@@ -122,16 +122,17 @@ async def serve_watch(raw: aiohttp.web.BaseRequest, store: Store, rd: ResourceDe
     return response
 
 
-def _transition(event: Event, match: Callable[[dict[str, Any]], bool]) -> str | None:
-    """The event type as seen through a selector (objects entering/leaving the selection)."""
+def _transition(event: Event, match: Callable[[dict[str, Any]], bool]) -> tuple[str, dict[str, Any]] | None:
+    """The event type and object as seen through a selector (objects entering/leaving the
+    selection). One leaving it is DELETED with its previous content (the one that matched) and the
+    edit's resourceVersion, as the API server's watch cache sends it."""
     now = match(event.object)
     if event.type != 'MODIFIED' or event.old is None:
-        return event.type if now else None
+        return (event.type, event.object) if now else None
     before = match(event.old)
-    if now and before:
-        return 'MODIFIED'
     if now:
-        return 'ADDED'
+        return ('MODIFIED' if before else 'ADDED'), event.object
     if before:
-        return 'DELETED'
+        version = event.object['metadata']['resourceVersion']
+        return 'DELETED', {**event.old, 'metadata': {**event.old['metadata'], 'resourceVersion': version}}
     return None
