@@ -10,7 +10,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ from .shadow import Shadow
 log = logging.getLogger(__name__)
 
 PIN_HEADER = "x-model-version"
+# /status's table_digest while the workers of a pod route by different tables: matches no table
+WORKERS_DIFFER = "workers-differ"
 VERSION_HEADER = "X-Model-Version"
 
 
@@ -59,6 +61,8 @@ class DataPlane:
         self._groupers: dict[asyncio.AbstractEventLoop, Grouper] = {}  # each loop's (batching.Grouper)
         self.feedback_book = FeedbackBook()  # the versions that answered requests with ids of their own
         self.shadow = Shadow(registry, metrics.shadow)  # stable's requests run again on the shadow version
+        # serve --workers: what every worker routes by (workers_channel.PodRouting.read), for /status
+        self.pod_routing: Callable[[], dict[str, Any] | None] | None = None
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -114,9 +118,10 @@ class DataPlane:
     def model_status(self, model: str) -> dict[str, Any]:
         """Every listed version's state, reason and weight, and the routing table's digest (an
         mnn-rollout extension of OIP, read by the operator to report per-version readiness and the
-        routing served across pods)."""
+        routing served across pods). With workers, the table and weights are the whole pod's
+        (``_pod_wide``)."""
         snap = self._snapshot_for(model)
-        return {
+        status = {
             "name": model,
             "ready": snap.ready,
             "stable_version": snap.config.stable_version,
@@ -130,6 +135,9 @@ class DataPlane:
                 for name, v in snap.versions.items()
             },
         }
+        if self.pod_routing is not None:
+            status.update(_pod_wide(self.pod_routing(), snap))
+        return status
 
     # -- inference -----------------------------------------------------------------------------
 
@@ -359,6 +367,20 @@ def _parameter_key(request: dict[str, Any], name: str) -> str | None:
     shown = repr(value)
     raise BadRequest(f"parameters.{name}: {shown[:64]}{'...' if len(shown) > 64 else ''} is not a user key; "
                      "valid: a string or an integer")
+
+
+def _pod_wide(pod: dict[str, Any] | None, snap: Snapshot) -> dict[str, Any]:
+    """What /status says of a pod's routing, from a worker (``pod``: as the supervisor wrote it,
+    ``workers_channel.PodRouting``): this worker's table when every worker routes by it, else
+    ``WORKERS_DIFFER`` (matching no table: the operator does not count the pod as serving the new
+    one) with a lagging worker's weights; and ``lagging_workers``, the pids of those not routing by
+    the newest config yet."""
+    lagging = [pid for pid in (pod or {}).get("lagging") or [] if isinstance(pid, int)]
+    if pod is not None and pod.get("table_digest") == snap.table_digest:
+        return {"lagging_workers": lagging}
+    weights = (pod or {}).get("weights")
+    return {"table_digest": WORKERS_DIFFER, "weights": weights if isinstance(weights, dict) else snap.weights,
+            "lagging_workers": lagging}
 
 
 def _batching_status(state: VersionState) -> dict[str, Any] | None:

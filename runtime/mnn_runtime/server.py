@@ -22,6 +22,7 @@ import uvicorn
 
 from mnn_rollout.contract.config import (DRAIN_CONNECTIONS_SECONDS, DRAIN_IN_FLIGHT_SECONDS, ConfigError, RuntimeConfig,
                                          dump_config, parse_config_text)
+from mnn_rollout.contract.routing import table_digest
 from .config_source import ConfigApplier, ConfigMapSource, FileConfigSource
 from . import engine
 from .dataplane import DataPlane
@@ -31,7 +32,7 @@ from .registry import Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
 from .workers_channel import (ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION,
-                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, send_message)
+                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, routing_of, send_message)
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -182,7 +183,8 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         table = published[0] = next_table(config, published[0])
         if config.routing.table is None:
             config = config.model_copy(update={"routing": config.routing.model_copy(update={"table": table.encode()})})
-        supervisor.offer(config, dump_config(config).encode())
+        assert config.routing.table is not None
+        supervisor.offer(config, dump_config(config).encode(), table_digest(config.routing.table))
 
     def apply(config: RuntimeConfig) -> bool:
         """Apply in the supervisor; True when the workers must be replaced: a version was added,
@@ -202,7 +204,9 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         (so that they share this copy instead of their own)."""
         return bool(runtime.registry.reload_now(names))
 
-    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply, reload=reload, grpc_sock=grpc_sock)
+    supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply, reload=reload, grpc_sock=grpc_sock,
+                            target=runtime.registry.snapshot.table_digest)
+    runtime.dataplane.pod_routing = supervisor.routing.read  # each worker's /status: what the whole pod routes by
 
     def offload(names: list[str], reason: str) -> None:
         def unload() -> None:  # on the supervisor's thread, which forks: never during a fork
@@ -250,6 +254,7 @@ class _Server(uvicorn.Server):
         self.channel = channel
         self.on_config = on_config
         self.on_offload: Callable[[list[str], str], object] | None = None  # versions the supervisor unloaded
+        self.routing: Callable[[], bytes] | None = None  # what it routes by, told to the supervisor
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
         self.grpc: GrpcServer | None = None  # serve --grpc-port: its connections come over ``channel`` too
@@ -281,9 +286,16 @@ class _Server(uvicorn.Server):
     def _alive(self) -> None:
         """Tell the supervisor this worker's loop runs, now and every ALIVE_SECONDS (a loop stuck
         in a forward says nothing: the supervisor then replaces this worker)."""
-        assert self.channel is not None and self._loop is not None
-        send_message(os.getpid(), self.channel, ALIVE_MESSAGE, quiet=True)
+        assert self._loop is not None
+        self._tell()
         self._loop.call_later(ALIVE_SECONDS, self._alive)
+
+    def _tell(self) -> None:
+        """Tell the supervisor this worker's loop runs and what it routes by (the pod's /status
+        reports a table only once every worker says it routes by it)."""
+        assert self.channel is not None
+        routing = self.routing() if self.routing is not None else b""
+        send_message(os.getpid(), self.channel, ALIVE_MESSAGE + routing, quiet=True)
 
     def _protocol(self) -> asyncio.Protocol:
         return self.config.http_protocol_class(  # type: ignore[call-arg]
@@ -307,6 +319,7 @@ class _Server(uvicorn.Server):
                     log.error("a config from the supervisor was over %d bytes and is ignored", MAX_CONFIG_BYTES)
                 elif self.on_config is not None:
                     self.on_config(data[len(CONFIG_MESSAGE):])
+                    self._tell()  # at once: the pod's status waits for every worker's word
                 continue
             if not fds and data.startswith(OFFLOAD_MESSAGE):
                 names, _, reason = data[len(OFFLOAD_MESSAGE):].decode().partition("\n")
@@ -389,6 +402,12 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
         runtime.registry.on_reload = reloaded
     config = _uvicorn_config(runtime, host, port, log_level)
     server = _Server(config, runtime.app, channel, ready_fd, on_config)
+    if channel is not None:
+        def routing() -> bytes:
+            snap = runtime.registry.snapshot
+            return routing_of(snap.table_digest, snap.weights)
+
+        server.routing = routing
     server.on_offload = runtime.registry.offload
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import logging
 import os
 import queue
@@ -32,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .workers_channel import (CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES, RELOAD_MESSAGE,
-                              send_config, send_connection, send_message)
+from .workers_channel import (ALIVE_MESSAGE, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES,
+                              RELOAD_MESSAGE, PodRouting, send_config, send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,23 @@ class Supervisor(WorkerPool):
     new or changed version, replaces the workers one at a time (a new one is forked with the new weights, and once it serves, the old
     one is retired: SIGUSR2, it stops accepting, finishes what it holds and exits), so the new
     weights are shared too and no request is dropped.
+
+    Each worker says what it routes by (its table's digest and weights) every second and after
+    each config it applied; the supervisor writes into ``routing`` (shared with the workers, read by
+    their ``/status``) the table every live worker routes by, or that they differ and which lag
+    behind ``target`` (the digest of the newest config sent; at first, the one they are forked with).
     """
 
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
                  metrics_dir: Path | None, apply: Callable[[Any], bool] | None = None,
                  ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None,
-                 grpc_sock: socket.socket | None = None, hang_timeout: float = HANG_SECONDS) -> None:
+                 grpc_sock: socket.socket | None = None, hang_timeout: float = HANG_SECONDS,
+                 target: str = "") -> None:
         super().__init__(workers, sock, serve_one, metrics_dir, grpc_sock)
+        self.routing = PodRouting()  # made before any fork: every worker shares it
+        self._target = target  # the table digest of the newest config sent to the workers
+        self._routes: dict[int, tuple[str, dict[str, int]]] = {}  # worker -> (table digest, weights) it said
+        self._routing_changed = True
         self.hang_timeout = hang_timeout
         self._heard: dict[int, float] = {}  # serving worker -> when it last wrote (ALIVE_MESSAGE, ...)
         self.apply = apply
@@ -81,7 +92,7 @@ class Supervisor(WorkerPool):
         self._turns = {CONNECTION: 0, GRPC_CONNECTION: 0}  # the next worker in turn, per kind
         for listener in self.listeners:
             listener.setblocking(False)
-        self._pending: queue.SimpleQueue[tuple[Any, bytes]] = queue.SimpleQueue()
+        self._pending: queue.SimpleQueue[tuple[Any, bytes, str]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
         self._config_text = b""  # the newest config sent to the workers
         self._missed: set[int] = set()  # workers whose full channel refused it: sent again, no connection meanwhile
@@ -90,10 +101,11 @@ class Supervisor(WorkerPool):
         self._main_calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._accept_paused: dict[socket.socket, float] = {}  # listener -> when to try accept() again
 
-    def offer(self, config: Any, text: bytes = b"") -> None:
+    def offer(self, config: Any, text: bytes = b"", digest: str = "") -> None:
         """Hand a new config to the supervisor loop (thread-safe, returns at once); ``text`` is
-        sent to every worker before the supervisor applies the config itself."""
-        self._pending.put((config, text))
+        sent to every worker before the supervisor applies the config itself; ``digest``: the
+        digest of the table it routes by (workers that do not say it lag)."""
+        self._pending.put((config, text, digest))
         self._wake()
 
     def call_in_loop(self, fn: Callable[[], None]) -> None:
@@ -106,6 +118,7 @@ class Supervisor(WorkerPool):
         return self._loader is None  # never fork while the loader is inside MNN
 
     def _started(self, pid: int, channel: socket.socket) -> None:
+        self._routing_changed = True  # it has said nothing yet: the workers differ until it does
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
             if not send_config(pid, channel, self._deferred[1]) and self._deferred[1] == self._config_text:
                 self._missed.add(pid)
@@ -178,13 +191,14 @@ class Supervisor(WorkerPool):
                 self.ready.add(pid)
                 self._heard[pid] = time.monotonic()
                 log.info("worker pid %d serves", pid)
+        self._publish()
 
     def _from_worker(self, pid: int, channel: socket.socket) -> None:
-        """What a worker wrote back: that it is alive, the versions it loaded again for a request
-        (the next ``_apply_pending`` loads them here too)."""
+        """What a worker wrote back: that it is alive and what it routes by, the versions it loaded
+        again for a request (the next ``_apply_pending`` loads them here too)."""
         while True:
             try:
-                data = channel.recv(4096, socket.MSG_DONTWAIT)
+                data = channel.recv(65536, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -192,9 +206,52 @@ class Supervisor(WorkerPool):
             if not data:
                 return
             self._heard[pid] = time.monotonic()
-            if data.startswith(RELOAD_MESSAGE):
+            if data.startswith(ALIVE_MESSAGE) and len(data) > len(ALIVE_MESSAGE):
+                self._said(pid, data[len(ALIVE_MESSAGE):])
+            elif data.startswith(RELOAD_MESSAGE):
                 self._reloads.add(data[len(RELOAD_MESSAGE):].decode(errors="replace"))
                 self._wake()
+
+    def _said(self, pid: int, routing: bytes) -> None:
+        """Worker ``pid`` routes by this (``workers_channel.routing_of``)."""
+        try:
+            said = json.loads(routing)
+            route = (said["table_digest"], said["weights"])
+        except (ValueError, TypeError, KeyError):
+            log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
+            return
+        if not isinstance(route[0], str) or not isinstance(route[1], dict):
+            log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
+            return
+        if self._routes.get(pid) != route:
+            self._routes[pid] = route
+            self._routing_changed = True
+
+    def _publish(self) -> None:
+        """Write into ``routing`` what every live worker routes by, or that they differ (one has not
+        said yet, or said another table) with a lagging one's weights, and which lag behind the
+        newest config: what their ``/status`` reports for the whole pod."""
+        if not self._routing_changed:
+            return
+        self._routing_changed = False
+        live = sorted(pid for pid in self.children if pid not in self.retiring)
+        said = {pid: self._routes[pid] for pid in live if pid in self._routes}
+        lagging = [pid for pid in live if pid not in said or (self._target and said[pid][0] != self._target)]
+        if live and len(said) == len(live) and len({digest for digest, _ in said.values()}) == 1:
+            digest, weights = said[live[0]]
+            self.routing.write({"table_digest": digest, "weights": weights, "lagging": lagging})
+            return
+        behind = next((said[pid] for pid in lagging if pid in said), None) or next(iter(said.values()), None)
+        self.routing.write({"table_digest": None, "weights": behind[1] if behind else None, "lagging": lagging})
+
+    def _reap(self) -> None:
+        children = set(self.children)
+        super()._reap()
+        if children != set(self.children):
+            for pid in [p for p in self._routes if p not in self.children]:
+                del self._routes[pid]
+            self._routing_changed = True
+        self._publish()
 
     def _kill_hung(self, now: float) -> None:
         """Kill every serving worker silent for ``hang_timeout`` (what it wrote meanwhile, read
@@ -260,7 +317,7 @@ class Supervisor(WorkerPool):
             return
         log.error("no worker could take a connection (all busy or gone); it is closed")
 
-    def _broadcast(self, text: bytes) -> None:
+    def _broadcast(self, text: bytes, digest: str = "") -> None:
         """Send a config to every worker (they apply new weights at once; a version they do not
         have yet stays pending until they are replaced). One whose channel is full (its loop busy,
         connections piled up) gets it again as soon as it takes it (``_send_missed``)."""
@@ -268,6 +325,8 @@ class Supervisor(WorkerPool):
                   if pid not in self.retiring and not send_config(pid, channel, text)}
         if len(CONFIG_MESSAGE) + len(text) <= MAX_CONFIG_BYTES:  # else no worker ever takes it (logged)
             self._config_text, self._missed = text, missed
+            if digest:  # the workers that do not route by it yet lag
+                self._target, self._routing_changed = digest, True
 
     def _send_missed(self, pid: int) -> bool:
         """Send the newest config again to a worker that missed it; True once it took it."""
@@ -285,12 +344,13 @@ class Supervisor(WorkerPool):
         while not self._pending.empty():
             newest = self._pending.get()  # only the newest matters
         if newest is not None:
-            self._deferred = newest
+            self._deferred = newest[:2]
             if newest[1]:
-                self._broadcast(newest[1])
+                self._broadcast(newest[1], newest[2])
         self._missed &= self.children.keys()  # those gone are replaced from the newest state
         for pid in list(self._missed):
             self._send_missed(pid)
+        self._publish()
 
     def _apply_pending(self) -> None:
         """Apply the newest config in this process on a loader thread (loading a version can take
@@ -351,11 +411,13 @@ class Supervisor(WorkerPool):
                           slot, new, self.ready_timeout, old)
                 if new in self.children:
                     self.retiring.add(new)  # not respawned when reaped
+                    self._routing_changed = True
                     os.kill(new, signal.SIGKILL)
                 continue
             if old not in self.children:  # it died meanwhile: its replacement serves already
                 continue
             self.retiring.add(old)
+            self._routing_changed = True
             try:
                 os.kill(old, signal.SIGUSR2)
             except ProcessLookupError:

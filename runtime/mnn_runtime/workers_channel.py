@@ -9,21 +9,29 @@ one message of at most ``MAX_CONFIG_BYTES``: ``send_config``), or the versions t
 (``OFFLOAD_MESSAGE`` then their names, comma-separated). The worker's end is read by the worker's
 HTTP server (``server._Server._receive``). A worker writes back two kinds of message: a version it
 loaded again for a request (``RELOAD_MESSAGE`` then its name), so that the supervisor loads it too
-and forks workers that share it (``workers.Supervisor``); and ``ALIVE_MESSAGE`` every
-``ALIVE_SECONDS`` from its event loop, by which the supervisor tells a worker whose loop is stuck.
+and forks workers that share it (``workers.Supervisor``); and ``ALIVE_MESSAGE`` then what it
+routes by (``routing_of``), every ``ALIVE_SECONDS`` from its event loop (by which the supervisor tells
+a worker whose loop is stuck) and at once after each config it applied. From those the supervisor
+writes what the whole pod routes by into ``PodRouting``, memory shared with every worker, which a
+worker's ``/status`` reports instead of its own routing alone.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import mmap
 import socket
+import struct
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
 OFFLOAD_MESSAGE = b"offload\n"  # supervisor -> worker: unload these versions (names, comma-separated)
 RELOAD_MESSAGE = b"reload\n"  # worker -> supervisor: this version was loaded again for a request
-ALIVE_MESSAGE = b"alive\n"  # worker -> supervisor, every ALIVE_SECONDS: its event loop runs
+ALIVE_MESSAGE = b"alive\n"  # worker -> supervisor: its loop runs; then what it routes by (routing_of)
 ALIVE_SECONDS = 1.0
 CONNECTION = b"c"  # supervisor -> worker: an accepted HTTP connection (its descriptor beside)
 GRPC_CONNECTION = b"g"  # supervisor -> worker: an accepted gRPC connection (serve --grpc-port)
@@ -69,3 +77,55 @@ def send_message(pid: int, channel: socket.socket, message: bytes, quiet: bool =
             log.warning("worker pid %d did not take the message %r: %s", pid, message.split(b"\n", 1)[0], exc)
         return False
     return True
+
+
+def routing_of(table_digest: str, weights: Mapping[str, int]) -> bytes:
+    """What a worker routes by, as it tells the supervisor after ``ALIVE_MESSAGE``."""
+    return json.dumps({"table_digest": table_digest, "weights": dict(weights)}).encode()
+
+
+class PodRouting:
+    """What every worker of the pod routes by, as the supervisor last heard it, in memory shared
+    with the workers (an anonymous shared mapping: made before they are forked). The supervisor
+    ``write``s ``{"table_digest": the digest every live worker routes by, or None when they differ
+    (or one has not said yet), "weights": theirs (when they differ: a lagging worker's),
+    "lagging": the pids of workers not routing by the newest config sent}``; a worker ``read``s it
+    for ``/status`` only. A sequence number, odd while a write is under way, tells a reader that
+    saw half a write to read again."""
+
+    SIZE = 64 * 1024
+    _WORD = struct.Struct("=Q")  # at 0 the sequence number, at 8 the payload's length, then the payload
+    _DATA = 16
+
+    def __init__(self) -> None:
+        self._mem = mmap.mmap(-1, self.SIZE)  # MAP_SHARED | MAP_ANONYMOUS: the workers see every write
+        self._seq = 0
+
+    def write(self, state: Mapping[str, Any]) -> None:
+        data = json.dumps(state).encode()
+        if len(data) > self.SIZE - self._DATA:  # thousands of versions or workers: say only that they differ
+            data = json.dumps({"table_digest": None, "weights": None, "lagging": []}).encode()
+        self._WORD.pack_into(self._mem, 0, self._seq + 1)
+        self._WORD.pack_into(self._mem, 8, len(data))
+        self._mem[self._DATA:self._DATA + len(data)] = data
+        self._seq += 2
+        self._WORD.pack_into(self._mem, 0, self._seq)
+
+    def read(self) -> dict[str, Any] | None:
+        """The last state written; None when nothing was, or no whole one could be read."""
+        for _ in range(100):
+            (seq,) = self._WORD.unpack_from(self._mem, 0)
+            if seq % 2:
+                continue
+            (length,) = self._WORD.unpack_from(self._mem, 8)
+            data = self._mem[self._DATA:self._DATA + min(length, self.SIZE - self._DATA)]
+            if self._WORD.unpack_from(self._mem, 0)[0] != seq:
+                continue
+            if not seq:
+                return None
+            try:
+                state = json.loads(data)
+            except ValueError:
+                continue
+            return state if isinstance(state, dict) else None
+        return None
