@@ -74,17 +74,18 @@ async def runtime_pod_changed(body: kopf.Body, type: str | None, labels: kopf.La
 
 async def _child_changed(body: kopf.Body, type: str | None, labels: kopf.Labels, memo: Any,  # noqa: A002
                          **_: Any) -> None:
-    memo.wakeups.on_child(type, dict(body), labels[OWNER_LABEL])
+    memo.wakeups.on_child(type, dict(body), labels.get(OWNER_LABEL))
 
 
-# Children edited or deleted by hand wake their owner, whose reconcile puts them back.
+# Children edited or deleted by hand wake their owner, whose reconcile puts them back. No label filter:
+# kopf's filters are its own (its watches take every object of the kind), and one on the owner label
+# hid every later edit of a child whose label was removed by hand (the cache kept the labelled copy).
 for _group, _version, _plural in (("", "v1", "configmaps"), ("", "v1", "services"), ("", "v1", "serviceaccounts"),
                                   ("apps", "v1", "deployments"), ("policy", "v1", "poddisruptionbudgets"),
                                   ("autoscaling", "v2", "horizontalpodautoscalers"),
                                   ("rbac.authorization.k8s.io", "v1", "roles"),
                                   ("rbac.authorization.k8s.io", "v1", "rolebindings")):
-    kopf.on.event(_group, _version, _plural, labels={OWNER_LABEL: kopf.PRESENT},
-                  id=f"child-{_plural}")(_child_changed)
+    kopf.on.event(_group, _version, _plural, id=f"child-{_plural}")(_child_changed)
 
 
 @kopf.on.cleanup()

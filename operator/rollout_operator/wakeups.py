@@ -29,6 +29,7 @@ from typing import Any
 import kopf
 
 from .analyzer import analysing, next_due
+from .children import GROUP, OWNER_LABEL
 from .kube import ApiError
 from .ports import WatchCache
 from .reconcile import ACTION_ANNOTATION, ALERT_ANNOTATION, Reconciler, guard_spec
@@ -134,11 +135,17 @@ class WakeUps:
         if _changed(self._pods, pod, None if event_type == "DELETED" else pod_signature(body)):
             self.wake((pod[0], owner))
 
-    def on_child(self, event_type: str | None, body: dict[str, Any], owner: str) -> None:
+    def on_child(self, event_type: str | None, body: dict[str, Any], owner: str | None) -> None:
         """A child changed: wake its owner when it was deleted or is not what the owner last
-        rendered (the operator's own writes, and a Deployment's status counts, wake nothing)."""
+        rendered (the operator's own writes, and a Deployment's status counts, wake nothing).
+        ``owner`` is its owner label; without it (removed by hand, or an object that is no child),
+        the owner is the ModelDeployment its ownerReferences name, or the one the cached copy's
+        label named: a child stripped of its label is still watched, so its later edits are seen."""
         meta = body.get("metadata") or {}
         child = (meta.get("namespace", ""), f"{body.get('kind')}/{meta.get('name', '')}")
+        owner = owner or _owner_of(body, self.cache)
+        if not owner:
+            return  # not a child of any ModelDeployment
         deleted = event_type == "DELETED"
         if self.cache is not None:
             self.cache.put_child(body, deleted=deleted)
@@ -283,6 +290,17 @@ class WakeUps:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _owner_of(body: dict[str, Any], cache: WatchCache | None) -> str | None:
+    """The ModelDeployment an object without the owner label belongs to: the controller named in
+    its ownerReferences, else the owner label of the copy the cache holds (both removed by hand)."""
+    meta = body.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == "ModelDeployment" and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            return str(ref.get("name") or "") or None
+    held = cache.live(body) if cache is not None else None
+    return str(((held or {}).get("metadata") or {}).get("labels", {}).get(OWNER_LABEL) or "") or None
 
 
 def _changed(seen: dict[Any, tuple[Any, ...]], key: Any, signature: tuple[Any, ...] | None) -> bool:

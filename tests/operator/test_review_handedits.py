@@ -90,3 +90,23 @@ def test_an_owner_reference_removed_by_hand_is_put_back(cluster: Cluster) -> Non
     wait_for(lambda: any("metadata.ownerReferences" in m for m in _repairs(cluster)), 20, "DriftRepaired naming it")
 
 
+
+
+SERVICE = "/api/v1/namespaces/default/services/scorer"
+
+
+def test_a_child_stripped_of_its_owner_label_and_then_broken_is_repaired(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    cluster.emu.kubectl("label", "service", "scorer", f"{children.OWNER_LABEL}-")
+    cluster.emu.kubectl("patch", "service", "scorer", "--type", "merge", "-p",
+                        '{"spec":{"selector":{"app.kubernetes.io/component":"nothing"}}}')  # no endpoints
+
+    def service() -> tuple[str | None, str | None]:
+        _, svc = cluster.emu.request("GET", SERVICE)
+        return svc["metadata"].get("labels", {}).get(children.OWNER_LABEL), \
+            svc["spec"]["selector"].get("app.kubernetes.io/component")
+
+    # before: never (the child watch filtered on the label, so neither edit reached the cache, which kept
+    # the labelled copy the reconcile compared with), and nothing said
+    wait_for(lambda: service() == ("scorer", "runtime"), 30, "the label and the selector put back")
+    wait_for(lambda: any("spec.selector" in m for m in _repairs(cluster)), 20, "DriftRepaired naming the selector")
