@@ -63,11 +63,14 @@ def pod_signature(body: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def child_signature(body: dict[str, Any]) -> tuple[Any, ...]:
-    """A child's content as the operator renders it: everything but status and bookkeeping."""
+    """A child's content as the operator renders it: everything but status and bookkeeping. Its
+    ownerReferences too: one removed by hand (garbage collection would no longer take the child) is
+    drift, put back by the reconcile this wakes."""
     meta = body.get("metadata") or {}
     content = {k: v for k, v in body.items() if k not in ("metadata", "status")}
+    owners = tuple(sorted(repr(sorted(o.items())) for o in meta.get("ownerReferences") or []))
     return (repr(sorted(content.items())), tuple(sorted((meta.get("labels") or {}).items())),
-            tuple(sorted((meta.get("annotations") or {}).items())), bool(meta.get("deletionTimestamp")))
+            tuple(sorted((meta.get("annotations") or {}).items())), owners, bool(meta.get("deletionTimestamp")))
 
 
 def next_wake(spec: ModelDeploymentSpec, status: RolloutStatus, pods: int, resync: float,

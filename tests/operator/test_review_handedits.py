@@ -78,7 +78,7 @@ def test_an_owner_reference_removed_by_hand_is_put_back(cluster: Cluster) -> Non
     cluster.emu.kubectl("patch", "deployment", "scorer-runtime", "--type", "json", "-p",
                         '[{"op":"remove","path":"/metadata/ownerReferences"}]')
 
-    # a later reconcile (an edit of ownerReferences alone wakes none: wakeups.child_signature leaves them out)
+    # a later reconcile too (the edit alone wakes one as well: see the test below)
     cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", '{"spec":{"weights":{"v1":80,"v2":20}}}')
 
     def owners() -> list[str]:
@@ -110,3 +110,15 @@ def test_a_child_stripped_of_its_owner_label_and_then_broken_is_repaired(cluster
     # the labelled copy the reconcile compared with), and nothing said
     wait_for(lambda: service() == ("scorer", "runtime"), 30, "the label and the selector put back")
     wait_for(lambda: any("spec.selector" in m for m in _repairs(cluster)), 20, "DriftRepaired naming the selector")
+
+
+def test_removing_only_an_owner_reference_wakes_the_owner_which_puts_it_back(cluster: Cluster) -> None:
+    ready_cluster(cluster)
+    uid = cluster.md()["metadata"]["uid"]
+    cluster.emu.kubectl("patch", "service", "scorer", "--type", "json", "-p",
+                        '[{"op":"remove","path":"/metadata/ownerReferences"}]')
+    # no other change: before, nothing woke the owner (wakeups.child_signature left ownerReferences out),
+    # so the Service stayed unowned until some unrelated reconcile
+    wait_for(lambda: [o["uid"] for o in cluster.emu.request("GET", SERVICE)[1]["metadata"].get("ownerReferences")
+                      or []] == [uid], 30, "the ownerReference put back")
+    wait_for(lambda: any("metadata.ownerReferences" in m for m in _repairs(cluster)), 20, "DriftRepaired naming it")
