@@ -85,6 +85,8 @@ class Supervisor(WorkerPool):
         self._routing_changed = True
         self.hang_timeout = hang_timeout
         self._heard: dict[int, float] = {}  # serving worker -> when it last wrote (ALIVE_MESSAGE, ...)
+        self._forked: dict[int, float] = {}  # worker not serving yet -> when it was started
+        self._awaited: int | None = None  # the replacement a roll waits for (killed by the roll if need be)
         self.apply = apply
         self.reload = reload  # load again versions a worker loaded for a request; True: replace the workers
         self._reloads: set[str] = set()
@@ -118,6 +120,7 @@ class Supervisor(WorkerPool):
         return self._loader is None  # never fork while the loader is inside MNN
 
     def _started(self, pid: int, channel: socket.socket) -> None:
+        self._forked[pid] = time.monotonic()
         self._routing_changed = True  # it has said nothing yet: the workers differ until it does
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
             if not send_config(pid, channel, self._deferred[1]) and self._deferred[1] == self._config_text:
@@ -184,10 +187,10 @@ class Supervisor(WorkerPool):
                 self._from_worker(by_channel[fd], channels[fd])
                 continue
             pid = by_fd[fd]
-            os.read(fd, 1)  # a byte: the child serves; b"" (EOF): it died first
+            said = os.read(fd, 1)  # a byte: the child serves; b"" (EOF): it died first
             os.close(fd)
             del self._ready_fds[pid]
-            if pid in self.children:
+            if said and pid in self.children:
                 self.ready.add(pid)
                 self._heard[pid] = time.monotonic()
                 log.info("worker pid %d serves", pid)
@@ -255,7 +258,24 @@ class Supervisor(WorkerPool):
 
     def _kill_hung(self, now: float) -> None:
         """Kill every serving worker silent for ``hang_timeout`` (what it wrote meanwhile, read
-        first: this loop may have been the slow one); it is replaced as one that died."""
+        first: this loop may have been the slow one), and every worker not serving ``ready_timeout``
+        after it was started (at start or after a death: one stuck before it serves would else stay
+        for ever, a slot short, and the pod's status saying its workers differ); each is replaced
+        as one that died. A roll's replacement is the roll's to kill (``_roll``)."""
+        for pid, forked in list(self._forked.items()):
+            if pid not in self.children or pid in self.ready or pid in self.retiring:
+                del self._forked[pid]
+            elif now - forked >= self.ready_timeout and pid != self._awaited:
+                fd = self._ready_fds.get(pid)
+                if fd is not None and select.select([fd], [], [], 0)[0]:
+                    continue  # it said it serves (or died): read by this loop next
+                log.error("worker pid %d does not serve %.0f s after it was started (stuck before it serves): "
+                          "killed, and replaced", pid, now - forked)
+                del self._forked[pid]
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for pid in [p for p in self._heard if p not in self.children or p in self.retiring]:
             del self._heard[pid]
         for pid, heard in list(self._heard.items()):
@@ -401,11 +421,13 @@ class Supervisor(WorkerPool):
             new = self._spawn(slot)
             deadline = time.monotonic() + self.ready_timeout
             while new not in self.ready and time.monotonic() < deadline and not self.stopping:
+                self._awaited = new
                 self._wait(0.2)
                 self._reap()
                 self._forward_pending()  # new weights reach the workers during a roll too
                 if new not in self.children:  # it died before serving (and was replaced): follow that one
                     new = next((p for p, s in self.children.items() if s == slot and p != old), new)
+            self._awaited = None
             if new not in self.ready:
                 log.error("worker %d: its replacement (pid %d) is not serving after %.0f s; keeping pid %d",
                           slot, new, self.ready_timeout, old)

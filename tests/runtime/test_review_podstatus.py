@@ -167,3 +167,54 @@ def test_the_supervisor_publishes_a_table_only_once_every_live_worker_said_it_ro
         os.close(fd)
     for s in (ours, theirs, sock):
         s.close()
+
+
+# A supervisor of one worker whose first process never says it serves (it hangs before, as one
+# stuck in a load or a lock at start); the next one serves. argv[1]: a directory for its marker.
+HANGS_FIRST = """
+import logging, os, signal, socket, sys, time
+from pathlib import Path
+from mnn_runtime.workers import Supervisor
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+marker = Path(sys.argv[1]) / "first-started"
+
+def serve_one(channel, ready_fd):
+    if not marker.exists():
+        marker.write_text(str(os.getpid()))
+        while True:
+            time.sleep(60)
+    os.write(ready_fd, b"r")
+    while True:
+        time.sleep(60)
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+sys.exit(Supervisor(1, sock, serve_one, None, ready_timeout=2.0).run())
+"""
+
+
+def test_a_worker_stuck_before_it_serves_is_killed_and_replaced(tmp_path: Path) -> None:
+    """A worker that never says it serves (at start or after a respawn) was never killed: only a
+    roll's replacement had a limit (60 s). It stayed for ever, a slot short, and with the pod's
+    status waiting for every worker's word, the pod never counted as serving. Now it gets the same
+    limit (here 2 s): killed, and a new one started, which serves."""
+    import subprocess
+    import sys
+
+    log_path = tmp_path / "supervisor.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", HANGS_FIRST, str(tmp_path)], stderr=out, stdout=out)
+    try:
+        deadline = time.monotonic() + 30
+        while "serves" not in log_path.read_text():
+            assert time.monotonic() < deadline, f"no worker serves 30 s on:\n{log_path.read_text()}"
+            time.sleep(0.1)
+        first = int((tmp_path / "first-started").read_text())
+        log = log_path.read_text()
+        assert f"worker pid {first} does not serve" in log, log
+        assert f"worker pid {first} serves" not in log and children(proc.pid) != [first], log
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
