@@ -112,7 +112,12 @@ def drift(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
     as ``1Gi``); the routing config's YAML compares as data, so its edited keys are named. Lists
     merged by key (``LIST_KEYS``) compare the rendered items only: a sidecar container a webhook
     adds is not drift (nor ever removed by the operator's apply), a removed ownerReference is."""
-    out: list[str] = []
+    return [path for path, _ in drift_values(live, desired)]
+
+
+def drift_values(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``drift`` with the live value at each path (None where absent)."""
+    out: list[tuple[str, Any]] = []
     for key, want in desired.items():
         if key in ("apiVersion", "kind", "status"):
             continue
@@ -127,10 +132,10 @@ def drift(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _diff(live: Any, want: Any, path: str, out: list[str]) -> None:
+def _diff(live: Any, want: Any, path: str, out: list[tuple[str, Any]]) -> None:
     if isinstance(want, Mapping):
         if not isinstance(live, Mapping):
-            out.append(path)
+            out.append((path, live))
             return
         for key, value in want.items():
             sub = f"{path}.{key}" if _plain(key) else f"{path}[{key}]"
@@ -143,18 +148,18 @@ def _diff(live: Any, want: Any, path: str, out: list[str]) -> None:
                 _diff(items.get(_item_key(value, keys)), value, f"{path}[{n}]", out)
             return
         if not isinstance(live, list) or len(live) != len(want):
-            out.append(path)
+            out.append((path, live))
             return
         for n, (have, value) in enumerate(zip(live, want)):
             _diff(have, value, f"{path}[{n}]", out)
     elif isinstance(want, str) and isinstance(live, str) and want != live and "\n" in want:
         parsed = _yaml_maps(live, want)  # the routing config: name the keys that differ
         if parsed is None:
-            out.append(path)
+            out.append((path, live))
         else:
             _diff(parsed[0], parsed[1], path, out)
     elif not _same_scalar(live, want, path):
-        out.append(path)
+        out.append((path, live))
 
 
 # The lists server-side apply merges item by item (listType=map), by field name -> their key fields:

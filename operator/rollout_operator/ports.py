@@ -10,6 +10,7 @@ the same reconcile code.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterable
@@ -49,6 +50,13 @@ class Ports(Protocol):
 
 REJECTED = "rejected: "  # a write_children result: the API refused the child as invalid
 REPAIRED = "repaired: "  # a write_children result: fields edited by hand were put back
+# write_children results: the API server kept other values than the forced apply asked for (another
+# actor, such as a mutating admission webhook, undoes the repair), said once; then (KEPT) the child
+# is left so, and applied again no sooner than UNDONE_RETRY_SECONDS unless the rendering or those
+# values change.
+NOT_REPAIRED = "not repaired: "
+KEPT = "kept: "
+UNDONE_RETRY_SECONDS = 60.0
 DELETED = "deleted"  # a delete_children result
 # The field manager that holds a Deployment's replicas while the operator's lets go of them for an
 # HPA (children.replicas_handover).
@@ -67,6 +75,11 @@ def _older(body: dict[str, Any], held: dict[str, Any] | None) -> bool:
         return int(str(new.get("resourceVersion"))) < int(str(old.get("resourceVersion")))
     except (TypeError, ValueError):
         return False
+
+
+def _values(found: list[tuple[str, Any]]) -> str:
+    """Fields and the values they have, as a drift names them: ``spec.x = 'y'; ...``."""
+    return "; ".join(f"{path} = {value!r}" for path, value in found)
 
 
 def _owner(body: dict[str, Any]) -> str:
@@ -210,6 +223,8 @@ class ClusterPorts:
     def __init__(self, kube: KubeClient, cache: WatchCache | None = None) -> None:
         self.kube = kube
         self.cache = cache or WatchCache()
+        # child -> (its rendering, the values the API server kept after the last forced apply, when)
+        self._undone: dict[tuple[str, str, str], tuple[str, str, float]] = {}
 
     def read(self, namespace: str, name: str) -> dict[str, Any] | None:
         # Always fresh: a reconcile runs only when something happened, and deciding from the
@@ -223,16 +238,25 @@ class ClusterPorts:
         field manager, forced: the fields it renders are its own, whoever edited them since; a
         child the watch shows as rendered costs no request. A Deployment whose replicas the
         operator stops rendering (autoscaling) gets them applied under ``HANDOVER_MANAGER`` first,
-        so that they stay (``children.replicas_handover``)."""
+        so that they stay (``children.replicas_handover``). When the API server answers an apply
+        with other values than it asked for, the child is ``not repaired: <field> = <value kept>``
+        once, then ``kept: ...`` (see ``UNDONE_RETRY_SECONDS``)."""
         written = {}
         for obj in objs:
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             self.cache.rendered(obj)
             live = self._live(obj)
             same_hash = live is not None and children.spec_hash(live) == children.spec_hash(obj)
-            edited = children.drift(live, obj) if live is not None and same_hash else []
+            edited = children.drift_values(live, obj) if live is not None and same_hash else []
+            child, rendering = WatchCache._child_key(obj), json.dumps(obj, sort_keys=True)
+            undone = self._undone.get(child)
             if same_hash and not edited:
                 written[key] = "unchanged"  # as rendered: no request
+                self._undone.pop(child, None)
+                continue
+            if (undone is not None and same_hash and undone[:2] == (rendering, _values(edited))
+                    and time.monotonic() - undone[2] < UNDONE_RETRY_SECONDS):
+                written[key] = f"{KEPT}{_values(edited)}"  # as the last apply left it: no request
                 continue
             try:
                 handover = children.replicas_handover(obj, live, FIELD_MANAGER)
@@ -246,8 +270,20 @@ class ClusterPorts:
                 continue
             result.setdefault("kind", obj["kind"])
             self.cache.put_child(result)  # written through: the next reconcile sees it before the watch does
-            if edited:
-                written[key] = f"{REPAIRED}{', '.join(edited)}"
+            kept = children.drift_values(result, obj) if live is not None else []
+            repaired = [path for path, _ in edited if path not in {p for p, _ in kept}]
+            said = undone is not None and undone[1] == _values(kept)
+            if kept:
+                self._undone[child] = (rendering, _values(kept), time.monotonic())
+            else:
+                self._undone.pop(child, None)
+            if kept and not said:
+                put_back = f" (put back: {', '.join(repaired)})" if repaired else ""
+                written[key] = f"{NOT_REPAIRED}{_values(kept)}{put_back}"
+            elif repaired:
+                written[key] = f"{REPAIRED}{', '.join(repaired)}"
+            elif kept and same_hash:
+                written[key] = f"{KEPT}{_values(kept)}"
             else:
                 written[key] = "created" if live is None else "updated"
         return written

@@ -31,7 +31,7 @@ from .analyzer import analysing, next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation, weights_text
-from .ports import DELETED, REJECTED, REPAIRED, Ports
+from .ports import DELETED, NOT_REPAIRED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions, unlisted_stable
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, name_problem, parse_spec
 from .status import Phase, RolloutStatus, condition, pending_rollback, with_condition, with_pending_rollback
@@ -320,6 +320,11 @@ class Reconciler:
         if repaired:
             events.append(Event("Warning", "DriftRepaired", "put back fields edited by hand: " + "; ".join(
                 f"{k} {v}" for k, v in repaired.items())))
+        undone = {k: v.removeprefix(NOT_REPAIRED) for k, v in written.items() if v.startswith(NOT_REPAIRED)}
+        if undone:  # said once (ports.ClusterPorts.write_children): another actor rewrites what was applied
+            events.append(Event("Warning", "DriftNotRepaired", "the API server kept other values than applied "
+                                "(another actor, such as a mutating webhook, rewrites them): " + "; ".join(
+                                    f"{k} {v}" for k, v in undone.items())))
         created = [k for k, v in written.items() if v == "created"]
         if created:
             reason = "ChildrenCreated" if first else "ChildrenRecreated"

@@ -9,11 +9,18 @@ import copy
 import json
 from typing import Any
 
+import kubernetes
 import pytest
 
 from rollout_operator import children
+from rollout_operator import ports as ports_module
+from rollout_operator.kube import FIELD_MANAGER, KubeClient
+from rollout_operator.ports import NOT_REPAIRED, REPAIRED, ClusterPorts
+from rollout_operator.reconcile import Reconciler
 from rollout_operator.spec import parse_spec
+from rollout_operator.status import RolloutStatus
 from testbed.cluster import Cluster, wait_for
+from testbed.k8s.harness import EmulatorProcess
 from tests.operator.test_e2e_basic import ready_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -122,3 +129,58 @@ def test_removing_only_an_owner_reference_wakes_the_owner_which_puts_it_back(clu
     wait_for(lambda: [o["uid"] for o in cluster.emu.request("GET", SERVICE)[1]["metadata"].get("ownerReferences")
                       or []] == [uid], 30, "the ownerReference put back")
     wait_for(lambda: any("metadata.ownerReferences" in m for m in _repairs(cluster)), 20, "DriftRepaired naming it")
+
+
+class MirroringKube(KubeClient):
+    """A mutating admission webhook's doing: every Deployment written gets its images from a mirror,
+    whatever the writer asked for (the API server answers with the rewritten object)."""
+
+    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER, force: bool = True,
+              subresource: str | None = None) -> dict[str, Any]:
+        result = super().apply(obj, field_manager, force, subresource)
+        if obj["kind"] != "Deployment":
+            return result
+        containers = copy.deepcopy(result["spec"]["template"]["spec"]["containers"])
+        for c in containers:
+            c["image"] = "mirror.example/" + c["image"].rsplit("/", 1)[-1]
+        meta = result["metadata"]
+        return self.patch("Deployment", meta["namespace"], meta["name"],
+                          {"spec": {"template": {"spec": {"containers": containers}}}})
+
+
+def test_a_repair_another_actor_undoes_is_said_once_and_not_retried_at_every_reconcile(
+        k8s_emulator: EmulatorProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}]})
+    target = children.Target("mirrored", "default")
+    deployment = children.render_deployment(target, spec, children.runtime_config(spec, "mirrored", {"v1": 100},
+                                                                                  "v1", ["v1"]))
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    cfg = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=str(k8s_emulator.kubeconfig_path), client_configuration=cfg)
+    kube = MirroringKube(cfg, backoff_base=0.02)
+    try:
+        ports = ClusterPorts(kube)
+        ports.cache.synced = True  # the watch cache, kept current here by the writes' answers
+        assert ports.write_children([deployment]) == {"Deployment/mirrored-runtime": "created"}
+        kept = f"mirror.example/{image.rsplit('/', 1)[-1]}"
+        # the next reconcile finds the image "edited" and applies it again; the webhook rewrites it again
+        (result,) = ports.write_children([deployment]).values()
+        # before: "repaired: spec.template.spec.containers[0].image", and so at every reconcile, each an apply
+        assert result.startswith(NOT_REPAIRED) and "spec.template.spec.containers[0].image" in result
+        assert repr(kept) in result
+        event = Reconciler._child_events(False, RolloutStatus(), RolloutStatus(), {"Deployment/mirrored-runtime":
+                                                                                   result})
+        assert [(e.type, e.reason) for e in event] == [("Warning", "DriftNotRepaired")]
+        assert repr(kept) in event[0].message
+        writes = len(k8s_emulator.write_requests("deployments"))
+        for _ in range(5):  # later reconciles: nothing said, nothing written
+            (again,) = ports.write_children([deployment]).values()
+            assert not again.startswith((NOT_REPAIRED, REPAIRED))
+        assert len(k8s_emulator.write_requests("deployments")) == writes
+        # after the retry interval it is tried once more (the webhook may be gone), still saying nothing new
+        monkeypatch.setattr(ports_module, "UNDONE_RETRY_SECONDS", 0.0)
+        (again,) = ports.write_children([deployment]).values()
+        assert not again.startswith((NOT_REPAIRED, REPAIRED))
+        assert len(k8s_emulator.write_requests("deployments")) > writes
+    finally:
+        kube.close()
