@@ -1,10 +1,11 @@
 """Unload the versions nobody uses (``server.idle_unload_seconds``), in the process that loads.
 
-A version with weight 0 that is not the stable one, and that answered no request and had none in
-flight for that long, is unloaded: its weights are freed (with ``--workers``, the supervisor and
-every worker let go, so the pages they shared go too). It loads again on its next pinned request
-(that request waits for the load) or before a config gives it weight (load before swap, as for
-any new version). Use is read from the request metrics, which every worker writes, so the
+A version that has been at weight 0, neither the stable nor the shadow one, for that long, and
+answered no request and had none in flight meanwhile, is unloaded (the clock starts when it can
+first be unloaded: a canary dropped to weight 0 is not unloaded at once for having been quiet
+before). Its weights are freed (with ``--workers``, the supervisor and every worker let go, so
+the pages they shared go too). It loads again on its next pinned request (that request waits for
+the load) or before a config gives it weight (load before swap, as for any new version). Use is read from the request metrics, which every worker writes, so the
 supervisor sees the pinned requests its workers answer without any message.
 
 MNN has no file-backed weights to fall back on here: ``RuntimeManager.set_external`` points at a
@@ -36,7 +37,7 @@ class IdleUnloader:
         self.offload: Offload = offload or registry.offload
         self.period, self.clock = period, clock
         self._seen: dict[str, tuple[float, float]] = {}
-        self._since: dict[str, float] = {}  # when each version was last seen used (or loaded)
+        self._since: dict[str, float] = {}  # when each version was last seen used, loaded or held (weight...)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -45,9 +46,12 @@ class IdleUnloader:
         now = self.clock()
         snap = self.registry.snapshot
         activity = self.registry.metrics.activity()
+        held = (snap.config.stable_version, snap.config.shadow_version)
         for name, state in snap.versions.items():
             seen = activity.get(name, (0.0, 0.0))
-            if seen != self._seen.get(name) or seen[1] > 0 or state.state != READY or name not in self._since:
+            # used, or not one that can be unloaded (loading, with weight, stable, shadow): its clock starts afresh
+            if (seen != self._seen.get(name) or seen[1] > 0 or state.state != READY or snap.weights.get(name)
+                    or name in held or name not in self._since):
                 self._seen[name], self._since[name] = seen, now
         for gone in set(self._since) - set(snap.versions):
             self._since.pop(gone, None)
