@@ -63,6 +63,14 @@ class DataPlane:
         self.shadow = Shadow(registry, metrics.shadow)  # stable's requests run again on the shadow version
         # serve --workers: what every worker routes by (workers_channel.PodRouting.read), for /status
         self.pod_routing: Callable[[], dict[str, Any] | None] | None = None
+        registry.on_offload.append(self._let_go)
+
+    def _let_go(self, names: list[str]) -> None:
+        """Drop the batchers of versions just unloaded: each holds its model, whose memory would
+        otherwise never be freed (called on the thread that unloads: the idle checker's, or a
+        worker's loop)."""
+        for key in [k for k in list(self._batchers) if k[1] in names]:
+            self._batchers.pop(key, None)
 
     # -- health and metadata -------------------------------------------------------------------
 
@@ -263,9 +271,9 @@ class DataPlane:
         if cached is not None and cached[0] is state.model and cached[1] == spec:
             return cached[2]
         live = self.registry.snapshot.versions
-        for stale in [k for k, v in self._batchers.items()
+        for stale in [k for k, v in list(self._batchers.items())
                       if k[1] not in live or live[k[1]].model is not v[0]]:
-            del self._batchers[stale]  # a removed or replaced model is not kept alive by its batcher
+            self._batchers.pop(stale, None)  # a removed or replaced model is not kept alive by its batcher
         batcher = None
         reason = batching_off_reason(state.model)
         if reason is not None:

@@ -112,6 +112,8 @@ class Registry:
         self._reload_lock = threading.Lock()
         self._reloading: dict[str, Future[VersionState | None]] = {}
         self.on_reload: Callable[[str], None] | None = None  # a worker tells its supervisor
+        # told the versions just unloaded, to let go of what they keep of them (the data plane's batchers)
+        self.on_offload: list[Callable[[list[str]], None]] = []
         self.snapshot = self._build(config, {})
 
     def apply(self, config: RuntimeConfig) -> Snapshot:
@@ -141,6 +143,8 @@ class Registry:
                     self.metrics.set_version_state(name, 0, False, None, offloaded=True)
                 self.snapshot = dataclasses.replace(snap, versions=versions)
                 log.info("versions %s offloaded: %s", ", ".join(done), reason)
+                for let_go in self.on_offload:
+                    let_go(done)
             return done
         finally:
             self._apply_lock.release()
