@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from mnn_rollout.contract.routing import RoutingTable, table_digest
 log = logging.getLogger(__name__)
 
 READY, FAILED, PENDING, OFFLOADED = "ready", "failed", "pending", "offloaded"
+_DIGEST = re.compile(r"has sha256 ([0-9a-f]{64}), expected")  # LoadedModel.load's reason for another file
 PENDING_REASON = "being loaded by the supervisor process; the worker that replaces this one serves it"
 
 
@@ -40,7 +42,7 @@ class VersionState:
     model: LoadedModel | None = None
     reason: str | None = None
     memory_bytes: int | None = None  # resident memory its load added to the process that loaded it
-    sha256: str | None = None  # offloaded: the digest of the file it had loaded (and loads again)
+    sha256: str | None = None  # offloaded (or failed to load again): the digest of the file it had loaded
 
     @property
     def ready(self) -> bool:
@@ -169,7 +171,17 @@ class Registry:
             old = self.snapshot.versions.get(name)
             if old is None or old.state != OFFLOADED:
                 continue
-            state = self._load(old.spec, None)
+            # The file it had loaded, not whatever is there now: a version never changes model
+            # without a config (a config naming the file again, or a sha256, accepts a new one).
+            kept = old.sha256 if old.spec.sha256 is None else None
+            state = self._load(old.spec if kept is None else old.spec.model_copy(update={"sha256": kept}), None)
+            changed = _DIGEST.search(state.reason or "") if kept is not None and not state.ready else None
+            if changed is not None and kept is not None:
+                state = VersionState(old.spec, FAILED, None,
+                                     f"model file {old.spec.uri} changed on disk since it was loaded (sha256 "
+                                     f"{kept}, now {changed[1]}): not loaded again; a config naming the file again "
+                                     "(or its sha256) accepts the new file", sha256=kept)
+                log.error("version %s: %s", old.spec.name, state.reason)
             with self._apply_lock:
                 snap = self.snapshot
                 now = snap.versions.get(name)
@@ -210,6 +222,12 @@ class Registry:
             if (old is not None and old.state == OFFLOADED and same_file(old.spec, spec) and not weights[spec.name]
                     and spec.name not in (config.stable_version, config.shadow_version)):  # shadow: loaded here
                 versions[spec.name] = dataclasses.replace(old, spec=spec)  # stays unloaded until asked for
+            elif (old is not None and old.state == FAILED and old.sha256 and not self.load_new
+                  and same_file(old.spec, spec) and not weights[spec.name]
+                  and spec.name not in (config.stable_version, config.shadow_version)):
+                # A worker whose load again found the file changed: unloaded as the supervisor
+                # still holds it (the supervisor loads it, should a config give it weight)
+                versions[spec.name] = dataclasses.replace(old, spec=spec, state=OFFLOADED)
             elif old is not None and same_file(old.spec, spec) and old.ready:
                 # The file it serves (a failed or pending new file reverted): keep the loaded model,
                 # take the rest of the spec (batching) as given, and it is ready again.

@@ -15,6 +15,8 @@ import yaml
 
 from mnn_rollout.contract.config import RuntimeConfig, VersionSpec, parse_config_text
 from mnn_rollout.local.net import wait_for
+from mnn_runtime.dataplane import DataPlane
+from mnn_runtime.errors import VersionNotReady
 from mnn_runtime.metrics import RuntimeMetrics
 from mnn_runtime.registry import Registry, VersionState
 from tests.runtime.test_idle import BODY, config_with, metric, versions
@@ -52,3 +54,29 @@ def test_an_idle_version_with_batching_frees_its_memory(large_dir: Path, tmp_pat
     wait_for(lambda: versions(url)["large"]["state"] == "offloaded", 30, "large offloaded")
     wait_for(lambda: loaded - metric(url, "mnn_runtime_memory_pss_bytes") >= 0.7 * size, 20,
              f"{size} bytes freed")
+
+
+def test_a_version_loads_again_only_from_the_file_it_had_loaded(examples_dir: Path, tmp_path: Path) -> None:
+    """Unloaded while idle, then its file replaced on disk by another model (no sha256 in the spec,
+    as the examples and most configs): the next pinned request loaded and served the other model
+    under the version's name. A loaded version never changes model without a config; an unloaded
+    one must not either: it fails, saying so, until a config names the file again."""
+    spare = tmp_path / "spare.mnn"
+    shutil.copy(examples_dir / "v2.mnn", spare)
+    registry = Registry(two_versions(examples_dir, spare), None, RuntimeMetrics("scorer"))
+    loaded = registry.snapshot.versions["v2"].model
+    assert loaded is not None and registry.offload(["v2"], "idle") == ["v2"]
+    shutil.copy(examples_dir / "v2-slow.mnn", spare)
+    assert registry.reload_now(["v2"]) == []
+    state = registry.snapshot.versions["v2"]
+    assert state.model is None and state.state == "failed", "another model is served as 'v2'"
+    assert state.reason and "changed on disk since it was loaded" in state.reason, state.reason
+    assert f"sha256 {loaded.sha256}, now " in state.reason
+    with pytest.raises(VersionNotReady, match="changed on disk"):  # a pinned request: 503 with the reason
+        asyncio.run(DataPlane(registry, registry.metrics)._loaded(registry.snapshot, "v2"))
+    status = DataPlane(registry, registry.metrics).model_status("scorer")["versions"]["v2"]
+    assert status["ready"] is False and "changed on disk" in status["reason"] and status["sha256"] == loaded.sha256
+    # A config naming the file again accepts the new file.
+    registry.apply(two_versions(examples_dir, spare).model_copy(update={"salt": "new"}))
+    now = registry.snapshot.versions["v2"]
+    assert now.ready and now.model is not None and now.model.sha256 != loaded.sha256
