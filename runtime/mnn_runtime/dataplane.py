@@ -245,7 +245,8 @@ class DataPlane:
         state = snap.versions.get(version)
         if state is None or state.state != OFFLOADED:
             return snap.version(version)
-        reloaded = await asyncio.wrap_future(self.registry.reload(version))
+        # shielded: this request giving up (cancelled) must not cancel the load the others wait for
+        reloaded = await asyncio.shield(asyncio.wrap_future(self.registry.reload(version)))
         if reloaded is None or reloaded.model is None:
             raise VersionNotReady(f"version {version!r} is not ready: "
                                   f"{reloaded.reason if reloaded else 'no longer listed'}")

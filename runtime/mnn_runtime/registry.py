@@ -153,11 +153,13 @@ class Registry:
 
     def reload(self, name: str) -> Future[VersionState | None]:
         """Load an offloaded version again, once however many ask, on a thread; the future gives
-        its state then (None: no longer listed)."""
+        its state then (None: no longer listed). The future runs from the start, so it cannot be
+        cancelled: a request that gives up (a gRPC deadline) leaves the load to the others waiting."""
         with self._reload_lock:
             future = self._reloading.get(name)
             if future is None:
                 future = self._reloading[name] = Future()
+                future.set_running_or_notify_cancel()
                 threading.Thread(target=self._reload, args=(name, future), name=f"reload-{name}", daemon=True).start()
             return future
 
@@ -205,9 +207,11 @@ class Registry:
             state = self.snapshot.versions.get(name)
             if state is not None and state.ready and self.on_reload is not None:
                 self.on_reload(name)
-            future.set_result(state)
+            if not future.done():
+                future.set_result(state)
         except BaseException as exc:  # noqa: BLE001 - the waiting requests get it, the thread ends
-            future.set_exception(exc)
+            if not future.done():
+                future.set_exception(exc)
         finally:
             with self._reload_lock:
                 self._reloading.pop(name, None)

@@ -80,3 +80,32 @@ def test_a_version_loads_again_only_from_the_file_it_had_loaded(examples_dir: Pa
     registry.apply(two_versions(examples_dir, spare).model_copy(update={"salt": "new"}))
     now = registry.snapshot.versions["v2"]
     assert now.ready and now.model is not None and now.model.sha256 != loaded.sha256
+
+
+def test_a_request_that_gives_up_does_not_fail_the_others_waiting_for_the_same_load(examples_dir: Path) -> None:
+    """Two pinned requests wait for an unloaded version's load (``DataPlane._loaded``: one shared
+    Future). The first gives up (a gRPC client's 0.05 s deadline): that cancelled the shared Future,
+    so the second (30 s deadline) failed too, and the load's thread died on InvalidStateError."""
+    registry = Registry(two_versions(examples_dir), None, RuntimeMetrics("scorer"))
+    assert registry.offload(["v2"], "idle") == ["v2"]
+    load, loading = registry._load, threading.Event()
+
+    def slow_load(spec: VersionSpec, old: VersionState | None) -> VersionState:
+        loading.set()
+        time.sleep(0.5)
+        return load(spec, old)
+
+    registry._load = slow_load  # type: ignore[method-assign]
+    plane = DataPlane(registry, registry.metrics)
+
+    async def two_waiters() -> VersionState:
+        snap = registry.snapshot
+        hasty = asyncio.ensure_future(plane._loaded(snap, "v2"))
+        patient = asyncio.ensure_future(plane._loaded(snap, "v2"))
+        await asyncio.sleep(0.1)
+        assert loading.is_set()
+        hasty.cancel()
+        return await patient
+
+    assert asyncio.run(two_waiters()).ready
+    assert registry.snapshot.versions["v2"].ready
