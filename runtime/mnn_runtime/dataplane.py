@@ -26,7 +26,7 @@ from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
 from .feedback import MAX_ID_LENGTH, FeedbackBook, new_id, parse_feedback, version_in
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
 from .model import LoadedModel
-from .registry import OFFLOADED, Registry, Snapshot, VersionState
+from .registry import OFFLOADED, Registry, Snapshot, VersionState, model_metadata
 from .shadow import Shadow
 
 log = logging.getLogger(__name__)
@@ -96,24 +96,29 @@ class DataPlane:
         state = snap.versions.get(version)
         if state is None:
             snap.version(version)  # raises VersionNotFound with the valid names
-        return bool(state and state.ready)
+        return bool(state and (state.ready or state.on_demand))  # unloaded while idle: loads for a request
 
     def model_metadata(self, model: str, version: str | None = None) -> dict[str, Any]:
         snap = self._snapshot_for(model)
-        state = snap.version(version or snap.config.stable_version)
-        assert state.model is not None
+        name = version or snap.config.stable_version
+        state = snap.versions.get(name)
+        if state is None or not state.on_demand:
+            state = snap.version(name)  # raises unless loaded
+        assert state.model is not None or state.metadata is not None
+        meta = model_metadata(state.model) if state.model is not None else state.metadata
+        assert meta is not None
         return {
             "name": model,
-            "versions": [name for name, v in snap.versions.items() if v.ready],
+            "versions": [name for name, v in snap.versions.items() if v.ready or v.on_demand],
             "platform": "mnn",
-            "inputs": [s.as_metadata() for s in state.model.inputs],
-            "outputs": [s.as_metadata() for s in state.model.outputs],
+            "inputs": meta["inputs"],
+            "outputs": meta["outputs"],
             "parameters": {
                 "version": state.spec.name,
                 "stable_version": snap.config.stable_version,
                 "weights": snap.weights,
-                "sha256": state.model.sha256,
-                "engine": state.model.engine.as_parameters(),  # asked for and actual: backend, threads
+                "sha256": meta["sha256"],
+                "engine": meta["engine"],  # asked for and actual: backend, threads
             },
         }
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mnn_rollout.contract.config import RuntimeConfig, VersionSpec
 from .errors import VersionNotFound, VersionNotReady
@@ -43,10 +44,18 @@ class VersionState:
     reason: str | None = None
     memory_bytes: int | None = None  # resident memory its load added to the process that loaded it
     sha256: str | None = None  # offloaded (or failed to load again): the digest of the file it had loaded
+    # offloaded: the metadata of the model it had loaded (inputs, outputs, engine), which it serves again
+    metadata: dict[str, Any] | None = None
 
     @property
     def ready(self) -> bool:
         return self.model is not None
+
+    @property
+    def on_demand(self) -> bool:
+        """Unloaded while serving, it loads again for its next request: as available to a client
+        as a loaded one (readiness, metadata). A version that failed to load (again) is not."""
+        return self.state == OFFLOADED and self.metadata is not None
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,8 @@ class Registry:
                 for name in done:
                     old = versions[name]
                     assert old.model is not None
-                    versions[name] = VersionState(old.spec, OFFLOADED, None, reason, None, old.model.sha256)
+                    versions[name] = VersionState(old.spec, OFFLOADED, None, reason, None, old.model.sha256,
+                                                  model_metadata(old.model))
                     self.metrics.set_version_state(name, 0, False, None, offloaded=True)
                 self.snapshot = dataclasses.replace(snap, versions=versions)
                 log.info("versions %s offloaded: %s", ", ".join(done), reason)
@@ -231,7 +241,7 @@ class Registry:
                   and spec.name not in (config.stable_version, config.shadow_version)):
                 # A worker whose load again found the file changed: unloaded as the supervisor
                 # still holds it (the supervisor loads it, should a config give it weight)
-                versions[spec.name] = dataclasses.replace(old, spec=spec, state=OFFLOADED)
+                versions[spec.name] = dataclasses.replace(old, spec=spec, state=OFFLOADED)  # metadata: None
             elif old is not None and same_file(old.spec, spec) and old.ready:
                 # The file it serves (a failed or pending new file reverted): keep the loaded model,
                 # take the rest of the spec (batching) as given, and it is ready again.
@@ -299,6 +309,12 @@ class Registry:
                 self.metrics.set_version_state(name, snap.weights.get(name, 0), True, model.load_seconds, memory)
                 log.info("version %s in this worker: %s", name, model.engine.as_parameters())
             self.snapshot = dataclasses.replace(snap, versions=versions)
+
+
+def model_metadata(model: LoadedModel) -> dict[str, Any]:
+    """What the metadata endpoints say of a loaded model, kept when it is unloaded."""
+    return {"inputs": [s.as_metadata() for s in model.inputs], "outputs": [s.as_metadata() for s in model.outputs],
+            "sha256": model.sha256, "engine": model.engine.as_parameters()}
 
 
 def _failed(spec: VersionSpec, old: VersionState | None, reason: str,

@@ -19,9 +19,44 @@ from mnn_runtime.dataplane import DataPlane
 from mnn_runtime.errors import VersionNotReady
 from mnn_runtime.metrics import RuntimeMetrics
 from mnn_runtime.registry import Registry, VersionState
+from mnn_runtime.server import build_runtime
 from tests.runtime.test_idle import BODY, config_with, metric, versions
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def test_an_unloaded_version_is_ready_and_described_and_a_failed_one_is_not(examples_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Readiness and metadata said an idle-unloaded version was unavailable (REST ready 503, gRPC
+    ModelReady False, ModelMetadata UNAVAILABLE): a client that checks readiness first never sent
+    the request that would load it. Now it is ready and described as it was loaded, over REST and
+    gRPC, without being loaded for that; a version that failed to load stays not ready."""
+    from tests.runtime.test_grpc import Served, pb
+
+    config = tmp_path / "runtime.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "scorer", "stable": "v1", "weights": {"v1": 100, "v2": 0, "v3": 0},
+        "versions": [{"name": "v1", "uri": str(examples_dir / "v1.mnn")},
+                     {"name": "v2", "uri": str(examples_dir / "v2.mnn")}, {"name": "v3", "uri": "missing.mnn"}]}))
+    served = Served(build_runtime(config), with_rest=True)
+    try:
+        registry = served.runtime.registry
+        loaded = served.rest.get("/v2/models/scorer/versions/v2").json()
+        assert registry.offload(["v2"], "idle") == ["v2"]
+        rest = served.rest.get("/v2/models/scorer/versions/v2/ready")
+        assert rest.status_code == 200 and rest.json()["ready"] is True, rest.text
+        assert served.stub.ModelReady(pb.ModelReadyRequest(name="scorer", version="v2"), timeout=5).ready
+        meta = served.rest.get("/v2/models/scorer/versions/v2")
+        assert meta.status_code == 200 and meta.json() == loaded, meta.text
+        grpc_meta = served.stub.ModelMetadata(pb.ModelMetadataRequest(name="scorer", version="v2"), timeout=5)
+        assert [(t.name, list(t.shape)) for t in grpc_meta.inputs] == [("features", [-1, 64])]
+        assert registry.snapshot.versions["v2"].state == "offloaded"  # described, not loaded for it
+        # A failed version is not ready, and has no metadata.
+        assert served.rest.get("/v2/models/scorer/versions/v3/ready").status_code == 503
+        assert served.rest.get("/v2/models/scorer/versions/v3").status_code == 503
+        assert not served.stub.ModelReady(pb.ModelReadyRequest(name="scorer", version="v3"), timeout=5).ready
+    finally:
+        served.close()
 
 
 def two_versions(examples_dir: Path, spare: Path | None = None) -> RuntimeConfig:
