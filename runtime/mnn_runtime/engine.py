@@ -27,6 +27,7 @@ What MNN 3.6.1 does (read in its source, measured here) and what this module doe
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -60,6 +61,13 @@ _lock = threading.RLock()
 # deleted file. Taken after ``_lock`` (``_create`` runs under it), never before it.
 _native_lock = threading.RLock()
 _fork_parent = False
+# One native model load at a time in the whole pod: a load peaks at ~3.2x the model's size inside
+# MNN, and with workers a burst of pinned requests for an unloaded version loaded it in every worker
+# and the supervisor at once. ``_load_lock`` orders this process's threads; ``_pod_lock_fd`` (a file
+# made by the supervisor before it forks, inherited by every worker) is locked with lockf, whose
+# locks belong to each process, around the load in every process. Taken before any other lock here.
+_load_lock = threading.Lock()
+_pod_lock_fd: int | None = None
 _pool_threads = 1  # the size of MNN's thread pool in this process (1: not started)
 _pool_owner: list[Any] = []  # the manager that started it
 _available: dict[str, bool] = {}  # backend -> whether MNN has it here (the node does not change)
@@ -104,9 +112,29 @@ def default_info() -> EngineInfo:
 def fork_parent(on: bool) -> None:
     """``on``: this process will fork workers, so it must start no MNN thread pool and no GPU
     context (versions that need them get a one-thread CPU stand-in); off in a worker after the fork."""
-    global _fork_parent
+    global _fork_parent, _pod_lock_fd
     with _lock:
         _fork_parent = on
+        if on and _pod_lock_fd is None:  # before the fork: the workers share it
+            fd, path = tempfile.mkstemp(prefix="mnn-rollout-load-")
+            os.unlink(path)  # the open file is enough, and nothing is left behind
+            _pod_lock_fd = fd
+
+
+@contextlib.contextmanager
+def one_load_at_a_time() -> Iterator[None]:
+    """Held around MNN's part of a model load: no other load runs meanwhile in this process or,
+    with workers, in any process of the pod."""
+    with _load_lock:
+        fd = _pod_lock_fd
+        if fd is None:
+            yield
+            return
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 def fork_safe(spec: EngineSpec) -> bool:

@@ -4,6 +4,7 @@ file it loads again, and the requests that wait for that load."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import threading
 import time
@@ -144,3 +145,38 @@ def test_a_request_that_gives_up_does_not_fail_the_others_waiting_for_the_same_l
 
     assert asyncio.run(two_waiters()).ready
     assert registry.snapshot.versions["v2"].ready
+
+
+LOAD_LINE = re.compile(r"model (\S+): MNN's load ran from ([0-9.]+) to ([0-9.]+) \(pid (\d+)\)")
+
+
+def test_a_burst_of_requests_for_an_unloaded_version_loads_it_one_process_at_a_time(
+        large_dir: Path, tmp_path: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+    """20 pinned requests at once for an unloaded version with 2 workers: each worker loaded its
+    own copy and the supervisor its, at the same time (each load peaks at ~3.2x the model inside
+    MNN: a burst could take ~3.2 x 3 x the model and OOM the pod). Now MNN's part of a load runs in
+    one process of the pod at a time; each worker still loads its own copy to answer at once."""
+    server = start_server(config_with(large_dir, tmp_path), extra_args=["--workers", "2"])
+    url = server.url
+    wait_for(lambda: versions(url)["large"]["state"] == "offloaded", 30, "large offloaded")
+    codes: list[int] = []
+
+    def pinned() -> None:
+        codes.append(httpx.post(url + "/v2/models/scorer/versions/large/infer", json=BODY, timeout=60).status_code)
+
+    burst = [threading.Thread(target=pinned) for _ in range(20)]
+    for t in burst:
+        t.start()
+    for t in burst:
+        t.join()
+    assert codes == [200] * 20
+
+    def loads() -> list[tuple[float, float, int]]:
+        found = LOAD_LINE.findall(server.log_path.read_text())
+        return sorted((float(b), float(e), int(pid)) for path, b, e, pid in found if path.endswith("large.mnn"))
+
+    # at start (the supervisor), then both workers for the requests and the supervisor again
+    every = wait_for(lambda: len(found := loads()) >= 4 and found, 30, "the workers' and the supervisor's loads")
+    assert len({pid for _, _, pid in every}) >= 3, every
+    for (_, ended, _), (began, _, _) in zip(every, every[1:]):
+        assert began >= ended, f"two loads at once: {every}"
