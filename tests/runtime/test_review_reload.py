@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -69,7 +70,7 @@ def two_versions(examples_dir: Path, spare: Path | None = None) -> RuntimeConfig
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
-def test_an_idle_version_with_batching_frees_its_memory(large_dir: Path, tmp_path: Path, start_server,  # type: ignore[no-untyped-def]
+def test_an_idle_version_with_batching_frees_its_memory(large_dir: Path, tmp_path: Path, start_server: Any,
                                                          workers: int) -> None:
     """With ``batching`` configured, a version unloaded while idle kept all its memory (the data
     plane's batcher cache held its model): PSS 104 MB loaded, 105 MB 'offloaded' (52 MB model, 1
@@ -151,7 +152,7 @@ LOAD_LINE = re.compile(r"model (\S+): MNN's load ran from ([0-9.]+) to ([0-9.]+)
 
 
 def test_a_burst_of_requests_for_an_unloaded_version_loads_it_one_process_at_a_time(
-        large_dir: Path, tmp_path: Path, start_server) -> None:  # type: ignore[no-untyped-def]
+        large_dir: Path, tmp_path: Path, start_server: Any) -> None:
     """20 pinned requests at once for an unloaded version with 2 workers: each worker loaded its
     own copy and the supervisor its, at the same time (each load peaks at ~3.2x the model inside
     MNN: a burst could take ~3.2 x 3 x the model and OOM the pod). Now MNN's part of a load runs in
