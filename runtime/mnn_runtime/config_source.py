@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -127,13 +128,15 @@ class ConfigMapSource:
     """
 
     def __init__(self, api: KubeAPI, namespace: str, name: str, applier: ConfigApplier,
-                 watch_timeout: int = 60, retry_delay: float = 0.5) -> None:
+                 watch_timeout: int = 60, retry_delay: float = 0.5, max_retry_delay: float = 5.0) -> None:
         self.api = api
         self.namespace = namespace
         self.name = name
         self.applier = applier
         self.watch_timeout = watch_timeout
         self.retry_delay = retry_delay
+        self.max_retry_delay = max_retry_delay
+        self._failures = 0  # in a row: each doubles the wait before the next try, up to max_retry_delay
         self.resource_version = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -153,7 +156,8 @@ class ConfigMapSource:
 
     def follow(self, applier: ConfigApplier) -> ConfigMapSource:
         """Another follower of the same ConfigMap, from where this one is, with its own applier."""
-        other = ConfigMapSource(self.api, self.namespace, self.name, applier, self.watch_timeout, self.retry_delay)
+        other = ConfigMapSource(self.api, self.namespace, self.name, applier, self.watch_timeout, self.retry_delay,
+                                self.max_retry_delay)
         other.resource_version = self.resource_version
         applier._last_digest = self.applier._last_digest
         return other
@@ -178,12 +182,22 @@ class ConfigMapSource:
             if self._stop.is_set():
                 return
 
+    def _backoff(self) -> None:
+        """Wait before trying again: retry_delay doubled for each failure in a row, up to
+        max_retry_delay, times a random 0.5-1 (every pod of every ModelDeployment watches its
+        ConfigMap: after an API outage they must not all retry together, twice a second)."""
+        self._failures += 1
+        delay = min(self.retry_delay * 2 ** min(self._failures - 1, 16), self.max_retry_delay)
+        self._stop.wait(delay * random.uniform(0.5, 1.0))
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 if not self.resource_version:
                     self._relist()
+                    self._failures = 0
                 self._watch_once()
+                self._failures = 0
             except KubeError as exc:
                 if exc.code == 410:
                     log.info("%s: watch expired (410), listing again", self.origin)
@@ -192,13 +206,13 @@ class ConfigMapSource:
                 log.warning("%s: %s; retrying", self.origin, exc)
                 if exc.code == 404:
                     self.resource_version = ""
-                self._stop.wait(self.retry_delay)
+                self._backoff()
             except (OSError, ValueError) as exc:  # connection dropped, bad chunk: resume from the last version
                 log.warning("%s: watch interrupted (%s); resuming", self.origin, exc)
-                self._stop.wait(self.retry_delay)
+                self._backoff()
             except Exception:
                 log.exception("%s: watcher failed; resuming", self.origin)
-                self._stop.wait(self.retry_delay)
+                self._backoff()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="configmap-watch", daemon=True)
