@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -135,6 +136,26 @@ def one_load_at_a_time() -> Iterator[None]:
             yield
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN)
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (Linux): type, whence, start, len, pid
+
+
+def load_holder() -> int | None:
+    """The pid of the process of the pod inside a model load (holding the pod's load lock), or
+    None (none is, or this process is not part of a pod with workers). MNN's load holds the GIL
+    throughout: that process's event loop says nothing meanwhile, without being stuck."""
+    fd = _pod_lock_fd
+    if fd is None:
+        return None
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError:
+        return None
+    kind, _, _, _, pid = _FLOCK.unpack(got)
+    if kind != fcntl.F_UNLCK and pid > 0:
+        return pid
+    return os.getpid() if _load_lock.locked() else None  # a thread of this one (its own lock is no conflict)
 
 
 def fork_safe(spec: EngineSpec) -> bool:

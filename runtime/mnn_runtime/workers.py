@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import engine
 from .workers_channel import (ALIVE_MESSAGE, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES,
                               RELOAD_MESSAGE, PodRouting, send_config, send_connection, send_message)
 from .workers_pool import WorkerPool
@@ -261,10 +262,19 @@ class Supervisor(WorkerPool):
         first: this loop may have been the slow one), and every worker not serving ``ready_timeout``
         after it was started (at start or after a death: one stuck before it serves would else stay
         for ever, a slot short, and the pod's status saying its workers differ); each is replaced
-        as one that died. A roll's replacement is the roll's to kill (``_roll``)."""
+        as one that died. A roll's replacement is the roll's to kill (``_roll``). Neither clock runs
+        while a model load is under way: MNN's load holds the GIL throughout (a worker's loop says
+        nothing for as long as it takes: a big model's can take more than ``hang_timeout``), and a
+        worker about to serve may be waiting for the pod's one load at a time (``engine``)."""
+        # a system call: asked only when it matters (from half the silence on: a worker seen in a load
+        # counts as heard then, so one whose load ends has the other half to speak before it is judged)
+        quiet = any(now - heard >= self.hang_timeout / 2 for heard in self._heard.values())
+        loading = engine.load_holder() if self._forked or quiet else None
         for pid, forked in list(self._forked.items()):
             if pid not in self.children or pid in self.ready or pid in self.retiring:
                 del self._forked[pid]
+            elif loading is not None:  # its own load, or one it may wait for
+                self._forked[pid] = now
             elif now - forked >= self.ready_timeout and pid != self._awaited:
                 fd = self._ready_fds.get(pid)
                 if fd is not None and select.select([fd], [], [], 0)[0]:
@@ -279,6 +289,9 @@ class Supervisor(WorkerPool):
         for pid in [p for p in self._heard if p not in self.children or p in self.retiring]:
             del self._heard[pid]
         for pid, heard in list(self._heard.items()):
+            if pid == loading:  # alive, inside a load
+                self._heard[pid] = now
+                continue
             if now - heard < self.hang_timeout or pid not in self.ready:
                 continue
             self._from_worker(pid, self._channels[pid])
