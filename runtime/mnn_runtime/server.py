@@ -277,11 +277,11 @@ class _Server(uvicorn.Server):
             loop.add_reader(self.channel.fileno(), self._receive)
         if self.ready_fd is not None:
             loop.add_signal_handler(signal.SIGUSR2, self.retire)
+            if self.channel is not None:  # what it routes by reaches the supervisor before it counts as serving
+                self._alive()
             os.write(self.ready_fd, b"r")
             os.close(self.ready_fd)
             self.ready_fd = None
-            if self.channel is not None:
-                self._alive()
 
     def _alive(self) -> None:
         """Tell the supervisor this worker's loop runs, now and every ALIVE_SECONDS (a loop stuck

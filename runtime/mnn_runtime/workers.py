@@ -122,7 +122,7 @@ class Supervisor(WorkerPool):
 
     def _started(self, pid: int, channel: socket.socket) -> None:
         self._forked[pid] = time.monotonic()
-        self._routing_changed = True  # it has said nothing yet: the workers differ until it does
+        self._routing_changed = True  # it lags until it says (and counts once it serves: _publish)
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
             if not send_config(pid, channel, self._deferred[1]) and self._deferred[1] == self._config_text:
                 self._missed.add(pid)
@@ -193,6 +193,7 @@ class Supervisor(WorkerPool):
             del self._ready_fds[pid]
             if said and pid in self.children:
                 self.ready.add(pid)
+                self._routing_changed = True  # it counts from now on: the workers differ until it says
                 self._heard[pid] = time.monotonic()
                 log.info("worker pid %d serves", pid)
         self._publish()
@@ -232,17 +233,21 @@ class Supervisor(WorkerPool):
             self._routing_changed = True
 
     def _publish(self) -> None:
-        """Write into ``routing`` what every live worker routes by, or that they differ (one has not
-        said yet, or said another table) with a lagging one's weights, and which lag behind the
-        newest config: what their ``/status`` reports for the whole pod."""
+        """Write into ``routing`` what every serving worker routes by, or that they differ (one has
+        not said yet, or said another table) with a lagging one's weights, and which live workers
+        lag behind the newest config: what their ``/status`` reports for the whole pod. One still
+        starting counts once it serves or says (it says first: ``server._Server.startup``)."""
         if not self._routing_changed:
             return
         self._routing_changed = False
         live = sorted(pid for pid in self.children if pid not in self.retiring)
         said = {pid: self._routes[pid] for pid in live if pid in self._routes}
         lagging = [pid for pid in live if pid not in said or (self._target and said[pid][0] != self._target)]
-        if live and len(said) == len(live) and len({digest for digest, _ in said.values()}) == 1:
-            digest, weights = said[live[0]]
+        # One starting (not serving yet, nothing said) routes no request: a roll's new worker, loading
+        # its own copy of a version, must not make the pod look as if it served another table meanwhile.
+        serving = [pid for pid in live if pid in self.ready or pid in said]
+        if serving and len(said) == len(serving) and len({digest for digest, _ in said.values()}) == 1:
+            digest, weights = said[serving[0]]
             self.routing.write({"table_digest": digest, "weights": weights, "lagging": lagging})
             return
         behind = next((said[pid] for pid in lagging if pid in said), None) or next(iter(said.values()), None)

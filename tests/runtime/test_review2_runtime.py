@@ -7,9 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
-from tests.runtime.test_workers import children
+from mnn_rollout.local.net import wait_for, write_atomic
+from mnn_runtime.dataplane import WORKERS_DIFFER
+from tests.runtime.test_workers import all_serving, children
+from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,3 +93,38 @@ def test_a_worker_loading_a_model_or_waiting_for_the_pods_load_is_not_killed_as_
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_a_roll_does_not_make_the_pod_look_as_if_it_served_another_table(large_dir: Path, tmp_path: Path) -> None:
+    """A roll (a version added, or loaded again for a request) starts a new worker before it
+    retires the old one; until the new one served and said what it routes by, /status said
+    ``workers-differ`` although it got no connection: WeightsServed turned False mid-rollout and
+    back. Repro with ``large`` on 2 threads (each new worker loads its own copy): the pod showed
+    the new config's table, then workers-differ for 0.34 s (15 of 360 statuses), then the table."""
+    config = {"model": "scorer", "stable": "v1", "weights": {"v1": 100, "large": 0},
+              "versions": [{"name": "v1", "uri": str(large_dir / "v1.mnn")},
+                           {"name": "large", "uri": str(large_dir / "large.mnn"), "engine": {"threads": 2}}]}
+    path = tmp_path / "runtime.yaml"
+    write_atomic(path, yaml.safe_dump(config))
+    server = RuntimeServer(path, tmp_path / "server.log", extra_args=["--workers", "2"])
+    server.start()
+    try:
+        all_serving(server, server.log_path)
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            def status() -> dict[str, object]:
+                return client.get("/v2/models/scorer/status").json()  # type: ignore[no-any-return]
+
+            table = wait_for(lambda: (d := status()["table_digest"]) != WORKERS_DIFFER and d, 30, "one table")
+            config["versions"].append({"name": "v2", "uri": str(large_dir / "v1.mnn")})  # type: ignore[attr-defined]
+            config["weights"] = {"v1": 100, "large": 0, "v2": 0}
+            write_atomic(path, yaml.safe_dump(config))
+            seen = []
+            while "workers replaced" not in server.log():
+                assert len(seen) < 3000, server.log()
+                now = status()
+                seen.append((now["table_digest"], "v2" in now["versions"]))  # type: ignore[operator]
+                time.sleep(0.01)
+        assert any(v2 for _, v2 in seen), "no status listed v2 during the roll"
+        assert [digest for digest, _ in seen if digest != table] == [], seen
+    finally:
+        server.stop()

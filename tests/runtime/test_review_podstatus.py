@@ -113,8 +113,9 @@ def test_a_pod_whose_worker_is_busy_when_weights_change_reports_them_once_it_app
 def test_the_supervisor_publishes_a_table_only_once_every_live_worker_said_it_routes_by_it(
         tmp_path: Path) -> None:
     """The pod-wide routing the supervisor writes for the workers' /status: the table all live
-    workers said they route by; a worker that has not said it yet (just started, or respawned)
-    makes them differ; one being retired does not count; and a worker forked before a write reads it."""
+    workers said they route by; a serving worker that has not said it yet makes them differ, one still
+    starting (serving nothing) only lags; one being retired does not count; and a worker forked before a
+    write reads it."""
     from mnn_runtime.workers import Supervisor
     from mnn_runtime.workers_channel import channel_pair, routing_of
 
@@ -123,6 +124,7 @@ def test_the_supervisor_publishes_a_table_only_once_every_live_worker_said_it_ro
     sup = Supervisor(2, sock, lambda channel, fd: None, None, target="a")
     old, new = {"v1": 90, "v2": 10}, {"v1": 40, "v2": 60}
     sup.children = {101: 0, 102: 1}
+    sup.ready = {101, 102}  # both serve
     sup._said(101, routing_of("a", old))
     sup._publish()
     assert sup.routing.read() == {"table_digest": None, "weights": old, "lagging": [102]}  # 102 has said nothing
@@ -140,6 +142,10 @@ def test_the_supervisor_publishes_a_table_only_once_every_live_worker_said_it_ro
     ours, theirs = channel_pair()
     sup._deferred = (None, b"weights: new")
     sup._started(103, ours)
+    sup._publish()  # 103 serves nothing yet: the pod routes by what 101 says; 103 lags
+    assert sup.routing.read() == {"table_digest": "b", "weights": new, "lagging": [103]}
+    sup.ready.add(103)  # it serves, and has said nothing yet: the workers differ
+    sup._routing_changed = True
     sup._publish()
     assert sup.routing.read() == {"table_digest": None, "weights": new, "lagging": [103]}
     sup._said(103, routing_of("b", new))
