@@ -48,6 +48,10 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # loop stuck (a forward that never returns): it is killed and replaced. Its connections waited for
 # ever, and its probes, dealt in turn with the others', failed too seldom for the kubelet to act.
 HANG_SECONDS = 30.0
+# ... unless it is inside a model load (MNN holds the GIL throughout: its loop says nothing), for at
+# most this long: one stuck there (a read that never returns) holds the pod's load lock, which every
+# other load waits for, the supervisor's too (and no worker is started while the supervisor loads).
+LOAD_SECONDS = 600.0
 
 
 class Supervisor(WorkerPool):
@@ -78,13 +82,15 @@ class Supervisor(WorkerPool):
                  metrics_dir: Path | None, apply: Callable[[Any], bool] | None = None,
                  ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None,
                  grpc_sock: socket.socket | None = None, hang_timeout: float = HANG_SECONDS,
+                 load_timeout: float = LOAD_SECONDS,
                  target: str = "") -> None:
         super().__init__(workers, sock, serve_one, metrics_dir, grpc_sock)
         self.routing = PodRouting()  # made before any fork: every worker shares it
         self._target = target  # the table digest of the newest config sent to the workers
         self._routes: dict[int, tuple[str, dict[str, int]]] = {}  # worker -> (table digest, weights) it said
         self._routing_changed = True
-        self.hang_timeout = hang_timeout
+        self.hang_timeout, self.load_timeout = hang_timeout, load_timeout
+        self._loading: tuple[int, float] | None = None  # the process inside a model load, since when (seen)
         self._heard: dict[int, float] = {}  # serving worker -> when it last wrote (ALIVE_MESSAGE, ...)
         self._forked: dict[int, float] = {}  # worker not serving yet -> when it was started
         self._awaited: int | None = None  # the replacement a roll waits for (killed by the roll if need be)
@@ -270,11 +276,9 @@ class Supervisor(WorkerPool):
         as one that died. A roll's replacement is the roll's to kill (``_roll``). Neither clock runs
         while a model load is under way: MNN's load holds the GIL throughout (a worker's loop says
         nothing for as long as it takes: a big model's can take more than ``hang_timeout``), and a
-        worker about to serve may be waiting for the pod's one load at a time (``engine``)."""
-        # a system call: asked only when it matters (from half the silence on: a worker seen in a load
-        # counts as heard then, so one whose load ends has the other half to speak before it is judged)
-        quiet = any(now - heard >= self.hang_timeout / 2 for heard in self._heard.values())
-        loading = engine.load_holder() if self._forked or quiet else None
+        worker about to serve may be waiting for the pod's one load at a time (``engine``); for at
+        most ``load_timeout``."""
+        loading = self._in_load(now)
         for pid, forked in list(self._forked.items()):
             if pid not in self.children or pid in self.ready or pid in self.retiring:
                 del self._forked[pid]
@@ -310,6 +314,32 @@ class Supervisor(WorkerPool):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _in_load(self, now: float) -> int | None:
+        """The process inside a model load (``engine.load_holder``), asked only when it matters
+        (a worker starting, or one silent for half of ``hang_timeout``: one seen in a load counts as
+        heard then, so one whose load ends has the other half to speak before it is judged); a
+        worker inside one load for ``load_timeout`` is killed (stuck there, it holds every load)."""
+        if not self._forked and all(now - heard < self.hang_timeout / 2 for heard in self._heard.values()):
+            return None
+        loading = engine.load_holder()
+        if loading is None or self._loading is None or self._loading[0] != loading:
+            self._loading = None if loading is None else (loading, now)
+            return loading
+        if now - self._loading[1] < self.load_timeout:
+            return loading
+        if loading in self.children:
+            log.error("worker pid %d has been inside one model load for %.0f s (stuck): killed, and replaced",
+                      loading, now - self._loading[1])
+            self.ready.discard(loading)
+            self._heard.pop(loading, None)
+            self._forked.pop(loading, None)
+            self._loading = None
+            try:
+                os.kill(loading, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return None  # (this process's own: the workers waiting for it are judged as any other)
 
     def broadcast(self, message: bytes) -> None:
         """Send a message to every worker that is not being retired (on the supervisor's thread)."""

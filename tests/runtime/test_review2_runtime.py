@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -90,6 +91,57 @@ def test_a_worker_loading_a_model_or_waiting_for_the_pods_load_is_not_killed_as_
         log = log_path.read_text()
         assert loaded == sorted(first) == sorted(children(proc.pid)), log
         assert "killed" not in log and "died" not in log, log
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+# A supervisor of one worker whose first process, once serving, never comes out of a model load
+# (a read that never returns): it holds the pod's load lock, which every other load waits for.
+# hang_timeout 1 s, load_timeout 3 s. argv[1]: a directory for the markers.
+STUCK_IN_LOAD = """
+import logging, os, socket, sys, time
+from pathlib import Path
+from mnn_runtime import engine
+from mnn_runtime.workers import Supervisor
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+out = Path(sys.argv[1])
+engine.fork_parent(True)
+
+
+def serve_one(channel, ready_fd):
+    os.write(ready_fd, b"r")
+    first = not (out / "first").exists()
+    (out / ("first" if first else "next")).write_text(str(os.getpid()))
+    with engine.one_load_at_a_time():
+        while first:
+            time.sleep(60)
+    while True:
+        time.sleep(60)
+
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+sys.exit(Supervisor(1, sock, serve_one, None, hang_timeout=1.0, load_timeout=3.0).run())
+"""
+
+
+def test_a_worker_stuck_inside_a_model_load_is_killed_after_load_timeout(tmp_path: Path) -> None:
+    """The other side of the one above: a worker that never comes out of a load holds every other
+    load of the pod; past ``load_timeout`` (600 s; here 3 s) it is killed and replaced."""
+    log_path = tmp_path / "supervisor.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", STUCK_IN_LOAD, str(tmp_path)], stderr=out, stdout=out)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "next").exists():
+            assert time.monotonic() < deadline, f"the stuck worker was not replaced in 60 s:\n{log_path.read_text()}"
+            time.sleep(0.1)
+        first = int((tmp_path / "first").read_text())
+        log = log_path.read_text()
+        assert re.search(rf"worker pid {first} has been inside one model load for [34] s \(stuck\)", log), log
     finally:
         proc.terminate()
         proc.wait(20)
