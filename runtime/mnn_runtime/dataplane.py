@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
 from .feedback import MAX_ID_LENGTH, FeedbackBook, new_id, parse_feedback, version_in
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
 from .model import LoadedModel
-from .registry import OFFLOADED, Registry, Snapshot, VersionState, model_metadata
+from .registry import FAILED, OFFLOADED, PENDING, Registry, Snapshot, VersionState, model_metadata
 from .shadow import Shadow
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class DataPlane:
         routing served across pods). With workers, the table and weights are the whole pod's
         (``_pod_wide``)."""
         snap = self._snapshot_for(model)
-        status = {
+        status: dict[str, Any] = {
             "name": model,
             "ready": snap.ready,
             "stable_version": snap.config.stable_version,
@@ -149,7 +150,9 @@ class DataPlane:
             },
         }
         if self.pod_routing is not None:
-            status.update(_pod_wide(self.pod_routing(), snap))
+            pod = self.pod_routing()
+            status.update(_pod_wide(pod, snap))
+            status["versions"] = _pod_versions(pod, status["versions"], os.getpid())
         return status
 
     # -- inference -----------------------------------------------------------------------------
@@ -395,6 +398,30 @@ def _pod_wide(pod: dict[str, Any] | None, snap: Snapshot) -> dict[str, Any]:
     weights = (pod or {}).get("weights")
     return {"table_digest": WORKERS_DIFFER, "weights": weights if isinstance(weights, dict) else snap.weights,
             "lagging_workers": lagging}
+
+
+def _pod_versions(pod: dict[str, Any] | None, versions: dict[str, dict[str, Any]], me: int) -> dict[str, Any]:
+    """/status's ``versions`` for a pod of workers, answered by worker ``me``: a version some other
+    serving worker cannot serve yet (``pod["serves"]``: what each said it can serve) is pending, not
+    ready, with a reason naming those workers (that worker routes its share to the fallback; the
+    operator must not give it weight yet), unless this worker failed to load it (its own reason
+    stands). With nothing said (``pod`` unread or too large), no version counts as served by all."""
+    said = (pod or {}).get("serves")
+    others = ({int(pid): {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+               for pid, names in said.items()
+               if isinstance(pid, str) and pid.isdigit() and int(pid) != me} if isinstance(said, dict) else None)
+    out = {}
+    for name, version in versions.items():
+        if others is None:
+            reason: str | None = "the pod's workers have not said yet which versions they serve"
+        else:
+            behind = sorted(pid for pid, names in others.items() if name not in names)
+            reason = (f"worker pid{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} "
+                      f"{'have' if len(behind) > 1 else 'has'} not loaded it yet") if behind else None
+        if reason is not None and version["state"] != FAILED:
+            version = {**version, "state": PENDING, "ready": False, "reason": reason}
+        out[name] = version
+    return out
 
 
 def _batching_status(state: VersionState) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ from . import engine
 from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
-from .registry import Registry, next_table, same_file
+from .registry import FAILED, PENDING, Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
 from .workers_channel import (ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION,
@@ -405,7 +405,8 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
     if channel is not None:
         def routing() -> bytes:
             snap = runtime.registry.snapshot
-            return routing_of(snap.table_digest, snap.weights)
+            return routing_of(snap.table_digest, snap.weights,
+                              [name for name, v in snap.versions.items() if v.state not in (PENDING, FAILED)])
 
         server.routing = routing
     server.on_offload = runtime.registry.offload

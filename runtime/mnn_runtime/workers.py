@@ -88,6 +88,7 @@ class Supervisor(WorkerPool):
         self.routing = PodRouting()  # made before any fork: every worker shares it
         self._target = target  # the table digest of the newest config sent to the workers
         self._routes: dict[int, tuple[str, dict[str, int]]] = {}  # worker -> (table digest, weights) it said
+        self._serves: dict[int, list[str]] = {}  # worker -> the versions it said it can serve now
         self._routing_changed = True
         self.hang_timeout, self.load_timeout = hang_timeout, load_timeout
         self._loading: tuple[int, float] | None = None  # the process inside a model load, since when (seen)
@@ -231,18 +232,21 @@ class Supervisor(WorkerPool):
         except (ValueError, TypeError, KeyError):
             log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
             return
-        if not isinstance(route[0], str) or not isinstance(route[1], dict):
+        serves = said.get("serves", [])
+        if (not isinstance(route[0], str) or not isinstance(route[1], dict) or not isinstance(serves, list)
+                or not all(isinstance(name, str) for name in serves)):
             log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
             return
-        if self._routes.get(pid) != route:
-            self._routes[pid] = route
+        if self._routes.get(pid) != route or self._serves.get(pid) != serves:
+            self._routes[pid], self._serves[pid] = route, serves
             self._routing_changed = True
 
     def _publish(self) -> None:
         """Write into ``routing`` what every serving worker routes by, or that they differ (one has
         not said yet, or said another table) with a lagging one's weights, and which live workers
-        lag behind the newest config: what their ``/status`` reports for the whole pod. One still
-        starting counts once it serves or says (it says first: ``server._Server.startup``)."""
+        lag behind the newest config: what their ``/status`` reports for the whole pod; and which
+        versions each serving worker can serve. One still starting counts once it serves or says (it
+        says first: ``server._Server.startup``)."""
         if not self._routing_changed:
             return
         self._routing_changed = False
@@ -252,12 +256,15 @@ class Supervisor(WorkerPool):
         # One starting (not serving yet, nothing said) routes no request: a roll's new worker, loading
         # its own copy of a version, must not make the pod look as if it served another table meanwhile.
         serving = [pid for pid in live if pid in self.ready or pid in said]
+        # what each serving worker can serve (one that has not said yet: nothing), for /status's versions
+        serves = {str(pid): self._serves.get(pid, []) for pid in serving}
         if serving and len(said) == len(serving) and len({digest for digest, _ in said.values()}) == 1:
             digest, weights = said[serving[0]]
-            self.routing.write({"table_digest": digest, "weights": weights, "lagging": lagging})
+            self.routing.write({"table_digest": digest, "weights": weights, "lagging": lagging, "serves": serves})
             return
         behind = next((said[pid] for pid in lagging if pid in said), None) or next(iter(said.values()), None)
-        self.routing.write({"table_digest": None, "weights": behind[1] if behind else None, "lagging": lagging})
+        self.routing.write({"table_digest": None, "weights": behind[1] if behind else None, "lagging": lagging,
+                            "serves": serves})
 
     def _reap(self) -> None:
         children = set(self.children)
@@ -265,6 +272,7 @@ class Supervisor(WorkerPool):
         if children != set(self.children):
             for pid in [p for p in self._routes if p not in self.children]:
                 del self._routes[pid]
+                self._serves.pop(pid, None)
             self._routing_changed = True
         self._publish()
 

@@ -23,7 +23,7 @@ import logging
 import mmap
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,11 @@ def send_message(pid: int, channel: socket.socket, message: bytes, quiet: bool =
     return True
 
 
-def routing_of(table_digest: str, weights: Mapping[str, int]) -> bytes:
-    """What a worker routes by, as it tells the supervisor after ``ALIVE_MESSAGE``."""
-    return json.dumps({"table_digest": table_digest, "weights": dict(weights)}).encode()
+def routing_of(table_digest: str, weights: Mapping[str, int], serves: Iterable[str] = ()) -> bytes:
+    """What a worker routes by, as it tells the supervisor after ``ALIVE_MESSAGE``: the table, the
+    weights, and the versions it can serve now (any of its versions not listed, pending or failed,
+    it cannot: it routes their share to the fallback)."""
+    return json.dumps({"table_digest": table_digest, "weights": dict(weights), "serves": sorted(serves)}).encode()
 
 
 class PodRouting:
@@ -89,7 +91,8 @@ class PodRouting:
     with the workers (an anonymous shared mapping: made before they are forked). The supervisor
     ``write``s ``{"table_digest": the digest every live worker routes by, or None when they differ
     (or one has not said yet), "weights": theirs (when they differ: a lagging worker's),
-    "lagging": the pids of workers not routing by the newest config sent}``; a worker ``read``s it
+    "lagging": the pids of workers not routing by the newest config sent, "serves": {pid (a string):
+    the versions that serving worker can serve, [] until it said}}``; a worker ``read``s it
     for ``/status`` only. A sequence number, odd while a write is under way, tells a reader that
     saw half a write to read again."""
 
@@ -104,6 +107,7 @@ class PodRouting:
     def write(self, state: Mapping[str, Any]) -> None:
         data = json.dumps(state).encode()
         if len(data) > self.SIZE - self._DATA:  # thousands of versions or workers: say only that they differ
+            # (and, with no "serves", /status counts no version as served by the whole pod)
             data = json.dumps({"table_digest": None, "weights": None, "lagging": []}).encode()
         self._WORD.pack_into(self._mem, 0, self._seq + 1)
         self._WORD.pack_into(self._mem, 8, len(data))
