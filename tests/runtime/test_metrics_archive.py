@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mnn_runtime.workers_metrics import collect, mark_dead
 from tests.runtime.test_metrics import value
-from tests.runtime.test_workers import BODY, all_serving, children
+from tests.runtime.test_workers import BODY, children, server  # noqa: F401 - server is the fixture
 from tests.runtime_server import RuntimeServer
 
 # what a worker of pid P leaves: file kind -> (metric, sample name, labels, value, timestamp)
@@ -107,17 +106,6 @@ def test_a_scrape_during_merges_never_sees_a_count_twice_or_missing(tmp_path: Pa
     assert max(seen) <= 301 and samples(tmp_path)["mnn_inference_requests_total"] == 301
 
 
-@pytest.fixture
-def server(model_dir: Path, tmp_path: Path) -> Iterator[RuntimeServer]:
-    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "server.log", extra_args=["--workers", "2"])
-    srv.start()
-    try:
-        all_serving(srv, tmp_path / "server.log")
-        yield srv
-    finally:
-        srv.stop()
-
-
 def metrics_dir(pid: int) -> Path:
     """The multiprocess directory a worker maps its files from."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
@@ -127,7 +115,7 @@ def metrics_dir(pid: int) -> Path:
 
 
 @pytest.mark.timeout(180)
-def test_replaced_workers_leave_no_files_behind_and_the_pod_total_stays(server: RuntimeServer,
+def test_replaced_workers_leave_no_files_behind_and_the_pod_total_stays(server: RuntimeServer,  # noqa: F811
                                                                         tmp_path: Path) -> None:
     assert server.proc is not None
     sent = 0

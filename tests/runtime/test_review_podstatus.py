@@ -15,7 +15,14 @@ import pytest
 import yaml
 
 from mnn_runtime.dataplane import WORKERS_DIFFER
-from tests.runtime.test_workers import _status, _write, children, server  # noqa: F401 - the fixture
+from tests.runtime.test_workers import (  # noqa: F401 - server is the fixture
+    _status,
+    _write,
+    channel_full,
+    children,
+    miss_weights,
+    server,
+)
 from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,32 +53,13 @@ def test_a_pod_whose_worker_missed_new_weights_does_not_report_them(
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
     old = config["weights"]
     old_digest = _settled(server.url, old)
-    stuck = children(server.proc.pid)[0]
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
-    os.kill(stuck, signal.SIGSTOP)
-    socks = []
-    during = []
-    try:
-        for _ in range(700):  # more than the ~280 connections a channel's buffer holds
-            s = socket.create_connection((host, int(port)), timeout=10)
-            s.sendall(request)
-            socks.append(s)
-        config["weights"] = {"v1": 40, "v2": 60}
-        _write(model_dir, config)
-        deadline = time.monotonic() + 20
-        while f"worker pid {stuck} did not take the message b'config'" not in server.log():
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.05)
+    with channel_full(server) as stuck:
+        miss_weights(server, model_dir, config, {"v1": 40, "v2": 60}, stuck)
         deadline = time.monotonic() + 20
         while server.log().count("applied new config from the supervisor") < 1:  # the other worker did
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.05)
         during = [_status(server.url) for _ in range(6)]  # all dealt to the other worker
-    finally:
-        os.kill(stuck, signal.SIGCONT)
-        for s in socks:
-            s.close()
     new_digest = _settled(server.url, {"v1": 40, "v2": 60})
     assert new_digest not in (old_digest, WORKERS_DIFFER)
     assert [(s["table_digest"], s["weights"], s.get("lagging_workers")) for s in during] == \

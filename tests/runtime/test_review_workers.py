@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -13,7 +12,13 @@ import httpx
 import pytest
 import yaml
 
-from tests.runtime.test_workers import _status, _write, children, server  # noqa: F401 - the fixture
+from tests.runtime.test_workers import (  # noqa: F401 - server is the fixture
+    _status,
+    channel_full,
+    children,
+    miss_weights,
+    server,
+)
 from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,28 +29,9 @@ def test_a_worker_whose_channel_was_full_when_weights_changed_gets_them_once_it_
     """A worker stuck (here: stopped) while connections pile up in its channel cannot take the new
     config then; it must get it once it reads again, not route by the old weights until the next
     change (while the other worker, answering the operator's status, reports the new ones)."""
-    assert server.proc is not None
-    stuck = children(server.proc.pid)[0]
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
     config = yaml.safe_load((model_dir / "runtime.yaml").read_text())
-    os.kill(stuck, signal.SIGSTOP)
-    socks = []
-    try:
-        for _ in range(700):  # more than the ~280 connections a channel's buffer holds
-            s = socket.create_connection((host, int(port)), timeout=10)
-            s.sendall(request)
-            socks.append(s)
-        config["weights"] = {"v1": 40, "v2": 60}
-        _write(model_dir, config)
-        deadline = time.monotonic() + 20
-        while f"worker pid {stuck} did not take the message b'config'" not in server.log():
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.05)
-    finally:
-        os.kill(stuck, signal.SIGCONT)
-        for s in socks:
-            s.close()
+    with channel_full(server) as stuck:
+        miss_weights(server, model_dir, config, {"v1": 40, "v2": 60}, stuck)
     deadline = time.monotonic() + 20
     while (seen := [_status(server.url)["weights"] for _ in range(6)]) != [{"v1": 40, "v2": 60}] * 6:
         assert time.monotonic() < deadline, f"a worker still routes by the old weights: {seen}"

@@ -3,6 +3,7 @@ worker is replaced, SIGTERM drains."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -301,6 +302,40 @@ def _write(model_dir: Path, config: dict[str, object]) -> None:
     write_atomic(model_dir / "runtime.yaml", yaml.safe_dump(config))
 
 
+@contextlib.contextmanager
+def channel_full(server: RuntimeServer) -> Iterator[int]:
+    """One worker stopped (SIGSTOP) with more connections dealt to it than its channel's buffer
+    holds (~280): its pid. Resumed, and the connections closed, on leaving."""
+    assert server.proc is not None
+    frozen = children(server.proc.pid)[0]
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+    os.kill(frozen, signal.SIGSTOP)
+    socks = []
+    try:
+        for _ in range(700):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(request)
+            socks.append(s)
+        yield frozen
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+        for s in socks:
+            s.close()
+
+
+def miss_weights(server: RuntimeServer, model_dir: Path, config: dict[str, object], weights: dict[str, int],
+                 stuck: int) -> None:
+    """Write ``config`` with ``weights`` and wait until the supervisor says the ``stuck`` worker did
+    not take it (its channel full)."""
+    config["weights"] = weights
+    _write(model_dir, config)
+    deadline = time.monotonic() + 20
+    while f"worker pid {stuck} did not take the message b'config'" not in server.log():
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+
+
 def load(url: str) -> Traffic:
     """Keyed requests, unpaced, on 4 keep-alive connections until stopped; every answer and error counted."""
     return Traffic(url, users=200, rate=None, connections=4, max_seconds=60)
@@ -373,19 +408,7 @@ def test_a_worker_lists_a_version_the_supervisor_is_loading_as_pending(model_dir
 def test_a_worker_that_stops_reading_never_blocks_the_supervisor(server: RuntimeServer) -> None:
     """A frozen worker's channel fills up; the supervisor must skip it (non-blocking sends) and
     keep handing connections to the others, instead of blocking on it."""
-    import socket as socket_mod
-
-    assert server.proc is not None
-    frozen = children(server.proc.pid)[0]
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    request = (f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").encode()
-    os.kill(frozen, signal.SIGSTOP)
-    socks = []
-    try:
-        for _ in range(700):  # more than the ~280 connections a channel's buffer holds
-            s = socket_mod.create_connection((host, int(port)), timeout=10)
-            s.sendall(request)
-            socks.append(s)
+    with channel_full(server):
         # after the burst, with the frozen worker's channel full, every new connection is served
         deadline = time.monotonic() + 20
         served = 0
@@ -396,10 +419,6 @@ def test_a_worker_that_stops_reading_never_blocks_the_supervisor(server: Runtime
                     served += c.get("/v2/health/live").status_code == 200
                 except httpx.TimeoutException:
                     pass  # this one went to the frozen worker before its channel was full
-    finally:
-        os.kill(frozen, signal.SIGCONT)
-        for s in socks:
-            s.close()
     assert server.alive()
 
 
