@@ -296,13 +296,8 @@ class Supervisor(WorkerPool):
                 fd = self._ready_fds.get(pid)
                 if fd is not None and select.select([fd], [], [], 0)[0]:
                     continue  # it said it serves (or died): read by this loop next
-                log.error("worker pid %d does not serve %.0f s after it was started (stuck before it serves): "
-                          "killed, and replaced", pid, now - forked)
-                del self._forked[pid]
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self._kill_stuck(pid, f"does not serve {now - forked:.0f} s after it was started (stuck before it "
+                                      f"serves)")
         for pid in [p for p in self._heard if p not in self.children or p in self.retiring]:
             del self._heard[pid]
         for pid, heard in list(self._heard.items()):
@@ -314,14 +309,19 @@ class Supervisor(WorkerPool):
             self._from_worker(pid, self._channels[pid])
             if self._heard[pid] != heard:
                 continue
-            log.error("worker pid %d has not answered for %.0f s (its loop is stuck): killed, and replaced",
-                      pid, now - heard)
-            self.ready.discard(pid)  # no connection for it until it is reaped
-            del self._heard[pid]
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._kill_stuck(pid, f"has not answered for {now - heard:.0f} s (its loop is stuck)")
+
+    def _kill_stuck(self, pid: int, why: str) -> None:
+        """Kill worker ``pid``, judged stuck (``why``, logged), and count it as serving no longer (no
+        connection for it until it is reaped): it is replaced as one that died."""
+        log.error("worker pid %d %s: killed, and replaced", pid, why)
+        self.ready.discard(pid)
+        self._heard.pop(pid, None)
+        self._forked.pop(pid, None)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _in_load(self, now: float) -> int | None:
         """The process inside a model load (``engine.load_holder``), asked only when it matters
@@ -337,16 +337,8 @@ class Supervisor(WorkerPool):
         if now - self._loading[1] < self.load_timeout:
             return loading
         if loading in self.children:
-            log.error("worker pid %d has been inside one model load for %.0f s (stuck): killed, and replaced",
-                      loading, now - self._loading[1])
-            self.ready.discard(loading)
-            self._heard.pop(loading, None)
-            self._forked.pop(loading, None)
+            self._kill_stuck(loading, f"has been inside one model load for {now - self._loading[1]:.0f} s (stuck)")
             self._loading = None
-            try:
-                os.kill(loading, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return None  # (this process's own: the workers waiting for it are judged as any other)
 
     def broadcast(self, message: bytes) -> None:
