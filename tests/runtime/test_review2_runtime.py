@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import yaml
 
 from mnn_rollout.local.net import wait_for, write_atomic
 from mnn_runtime.dataplane import WORKERS_DIFFER
-from tests.runtime.test_workers import all_serving, children
+from tests.runtime.test_workers import all_serving, children, supervising
 from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,10 +73,7 @@ def test_a_worker_loading_a_model_or_waiting_for_the_pods_load_is_not_killed_as_
     version killed the worker loading it, and the next request killed the next one; workers that
     load at start one after the other were killed past ready_timeout (60 s). Here (1 s limits,
     loads of 1.5 and 3 s) every worker was killed, the first ones while loading; now none is."""
-    log_path = tmp_path / "supervisor.log"
-    with log_path.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", LOADS, str(tmp_path)], stderr=out, stdout=out)
-    try:
+    with supervising(LOADS, tmp_path) as (proc, log_path):
         deadline = time.monotonic() + 60
         first = []
         while len(first) < 2:
@@ -91,9 +86,6 @@ def test_a_worker_loading_a_model_or_waiting_for_the_pods_load_is_not_killed_as_
         log = log_path.read_text()
         assert loaded == sorted(first) == sorted(children(proc.pid)), log
         assert "killed" not in log and "died" not in log, log
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 # A supervisor of one worker whose first process, once serving, never comes out of a model load
@@ -131,10 +123,7 @@ sys.exit(Supervisor(1, sock, serve_one, None, hang_timeout=1.0, load_timeout=3.0
 def test_a_worker_stuck_inside_a_model_load_is_killed_after_load_timeout(tmp_path: Path) -> None:
     """The other side of the one above: a worker that never comes out of a load holds every other
     load of the pod; past ``load_timeout`` (600 s; here 3 s) it is killed and replaced."""
-    log_path = tmp_path / "supervisor.log"
-    with log_path.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", STUCK_IN_LOAD, str(tmp_path)], stderr=out, stdout=out)
-    try:
+    with supervising(STUCK_IN_LOAD, tmp_path) as (proc, log_path):
         deadline = time.monotonic() + 60
         while not (tmp_path / "next").exists():
             assert time.monotonic() < deadline, f"the stuck worker was not replaced in 60 s:\n{log_path.read_text()}"
@@ -142,9 +131,6 @@ def test_a_worker_stuck_inside_a_model_load_is_killed_after_load_timeout(tmp_pat
         first = int((tmp_path / "first").read_text())
         log = log_path.read_text()
         assert re.search(rf"worker pid {first} has been inside one model load for [34] s \(stuck\)", log), log
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 def test_a_roll_does_not_make_the_pod_look_as_if_it_served_another_table(large_dir: Path, tmp_path: Path) -> None:

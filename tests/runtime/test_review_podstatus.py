@@ -22,6 +22,7 @@ from tests.runtime.test_workers import (  # noqa: F401 - server is the fixture
     children,
     miss_weights,
     server,
+    supervising,
 )
 from tests.runtime_server import RuntimeServer
 
@@ -201,13 +202,7 @@ def test_a_worker_stuck_before_it_serves_is_killed_and_replaced(tmp_path: Path) 
     roll's replacement had a limit (60 s). It stayed for ever, a slot short, and with the pod's
     status waiting for every worker's word, the pod never counted as serving. Now it gets the same
     limit (here 2 s): killed, and a new one started, which serves."""
-    import subprocess
-    import sys
-
-    log_path = tmp_path / "supervisor.log"
-    with log_path.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", HANGS_FIRST, str(tmp_path)], stderr=out, stdout=out)
-    try:
+    with supervising(HANGS_FIRST, tmp_path) as (proc, log_path):
         deadline = time.monotonic() + 30
         while "serves" not in log_path.read_text():
             assert time.monotonic() < deadline, f"no worker serves 30 s on:\n{log_path.read_text()}"
@@ -216,6 +211,4 @@ def test_a_worker_stuck_before_it_serves_is_killed_and_replaced(tmp_path: Path) 
         log = log_path.read_text()
         assert f"worker pid {first} does not serve" in log, log
         assert f"worker pid {first} serves" not in log and children(proc.pid) != [first], log
-    finally:
-        proc.terminate()
-        assert proc.wait(20) == 0
+    assert proc.returncode == 0

@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -322,6 +323,20 @@ def channel_full(server: RuntimeServer) -> Iterator[int]:
         os.kill(frozen, signal.SIGCONT)
         for s in socks:
             s.close()
+
+
+@contextlib.contextmanager
+def supervising(script: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``script`` (Python running a Supervisor, ``tmp_path`` its argv[1]) in a process of its own,
+    its output in ``tmp_path/supervisor.log``: the process and that log; terminated on leaving."""
+    log_path = tmp_path / "supervisor.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stderr=out, stdout=out)
+    try:
+        yield proc, log_path
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 def miss_weights(server: RuntimeServer, model_dir: Path, config: dict[str, object], weights: dict[str, int],
