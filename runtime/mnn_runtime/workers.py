@@ -228,13 +228,11 @@ class Supervisor(WorkerPool):
         """Worker ``pid`` routes by this (``workers_channel.routing_of``)."""
         try:
             said = json.loads(routing)
-            route = (said["table_digest"], said["weights"])
-        except (ValueError, TypeError, KeyError):
-            log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
-            return
-        serves = said.get("serves", [])
-        if (not isinstance(route[0], str) or not isinstance(route[1], dict) or not isinstance(serves, list)
-                or not all(isinstance(name, str) for name in serves)):
+            route, serves = (said["table_digest"], said["weights"]), said.get("serves", [])
+            if not (isinstance(route[0], str) and isinstance(route[1], dict) and isinstance(serves, list)
+                    and all(isinstance(name, str) for name in serves)):
+                raise TypeError("not a digest, weights and version names")
+        except (ValueError, TypeError, KeyError, AttributeError):
             log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
             return
         if self._routes.get(pid) != route or self._serves.get(pid) != serves:
