@@ -32,7 +32,8 @@ from .registry import FAILED, PENDING, Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
 from .workers_channel import (ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION,
-                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, routing_of, send_message)
+                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, config_text, routing_of,
+                              send_message)
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -314,11 +315,14 @@ class _Server(uvicorn.Server):
             except OSError as exc:
                 log.error("the channel from the supervisor broke: %s", exc)
                 data, fds, flags = b"", [], 0
-            if not fds and data.startswith(CONFIG_MESSAGE):
+            if data.startswith(CONFIG_MESSAGE):
+                text = config_text(data, fds)  # in the message, or in the file sent with it
                 if flags & socket.MSG_TRUNC:
                     log.error("a config from the supervisor was over %d bytes and is ignored", MAX_CONFIG_BYTES)
-                elif self.on_config is not None:
-                    self.on_config(data[len(CONFIG_MESSAGE):])
+                elif flags & socket.MSG_CTRUNC:
+                    log.error("a config from the supervisor was lost: no file descriptor left")
+                elif self.on_config is not None and text is not None:
+                    self.on_config(text)
                     self._tell()  # at once: the pod's status waits for every worker's word
                 continue
             if not fds and data.startswith(OFFLOAD_MESSAGE):

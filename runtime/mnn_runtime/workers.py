@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from . import engine
-from .workers_channel import (ALIVE_MESSAGE, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION, MAX_CONFIG_BYTES,
-                              RELOAD_MESSAGE, PodRouting, send_config, send_connection, send_message)
+from .workers_channel import (ALIVE_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE, PodRouting, send_config,
+                              send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Supervisor(WorkerPool):
         self._forked[pid] = time.monotonic()
         self._routing_changed = True  # it lags until it says (and counts once it serves: _publish)
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
-            if not send_config(pid, channel, self._deferred[1]) and self._deferred[1] == self._config_text:
+            if not send_config(pid, channel, self._deferred[1]):  # (the newest sent: _forward_pending)
                 self._missed.add(pid)
 
     def run(self) -> int:
@@ -387,12 +387,11 @@ class Supervisor(WorkerPool):
         """Send a config to every worker (they apply new weights at once; a version they do not
         have yet stays pending until they are replaced). One whose channel is full (its loop busy,
         connections piled up) gets it again as soon as it takes it (``_send_missed``)."""
-        missed = {pid for pid, channel in list(self._channels.items())
-                  if pid not in self.retiring and not send_config(pid, channel, text)}
-        if len(CONFIG_MESSAGE) + len(text) <= MAX_CONFIG_BYTES:  # else no worker ever takes it (logged)
-            self._config_text, self._missed = text, missed
-            if digest:  # the workers that do not route by it yet lag
-                self._target, self._routing_changed = digest, True
+        self._config_text = text
+        self._missed = {pid for pid, channel in list(self._channels.items())
+                        if pid not in self.retiring and not send_config(pid, channel, text)}
+        if digest:  # the workers that do not route by it yet lag
+            self._target, self._routing_changed = digest, True
 
     def _send_missed(self, pid: int) -> bool:
         """Send the newest config again to a worker that missed it; True once it took it."""

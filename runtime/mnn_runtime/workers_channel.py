@@ -4,8 +4,9 @@ The supervisor binds the listening socket (``bind``) and accepts every connectio
 worker has a channel: one end of a Unix SOCK_SEQPACKET socket pair (``channel_pair``), over which
 the supervisor sends it either an accepted connection (one byte saying which server it is for,
 ``CONNECTION`` HTTP or ``GRPC_CONNECTION`` gRPC, the file descriptor travelling as SCM_RIGHTS:
-``send_connection``) or a config (``CONFIG_MESSAGE`` then the config's YAML, in
-one message of at most ``MAX_CONFIG_BYTES``: ``send_config``), or the versions to unload
+``send_connection``) or a config (``CONFIG_MESSAGE`` then the config's YAML, in one message when
+it fits in ``MAX_CONFIG_BYTES``, else ``CONFIG_MESSAGE`` alone with, as SCM_RIGHTS, an in-memory
+file holding it: ``send_config``, read by ``config_text``), or the versions to unload
 (``OFFLOAD_MESSAGE`` then their names, comma-separated). The worker's end is read by the worker's
 HTTP server (``server._Server._receive``). A worker writes back two kinds of message: a version it
 loaded again for a request (``RELOAD_MESSAGE`` then its name), so that the supervisor loads it too
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
 import socket
 import struct
 from collections.abc import Iterable, Mapping
@@ -59,19 +61,61 @@ def send_connection(channel: socket.socket, conn: socket.socket, kind: bytes = C
 
 
 def send_config(pid: int, channel: socket.socket, text: bytes, quiet: bool = False) -> bool:
-    """Send a config's YAML to the worker ``pid``; False when it did not take it (logged unless
-    ``quiet``), never raised."""
-    return send_message(pid, channel, CONFIG_MESSAGE + text, quiet)
+    """Send a config's YAML to the worker ``pid``: in the message when it fits, else in an
+    in-memory file whose descriptor travels with it (a ModelDeployment's config has no bound: many
+    versions, long uris); False when it did not take it (logged unless ``quiet``), never raised."""
+    if len(CONFIG_MESSAGE) + len(text) <= MAX_CONFIG_BYTES:
+        return send_message(pid, channel, CONFIG_MESSAGE + text, quiet)
+    try:
+        fd = _in_memory_file(text)
+    except OSError as exc:  # out of memory or descriptors: like a full channel, sent again later
+        if not quiet:
+            log.warning("worker pid %d did not take the config of %d bytes: %s", pid, len(text), exc)
+        return False
+    try:
+        return send_message(pid, channel, CONFIG_MESSAGE, quiet, fd)
+    finally:
+        os.close(fd)  # the worker's copy (in flight or received) keeps the file
 
 
-def send_message(pid: int, channel: socket.socket, message: bytes, quiet: bool = False) -> bool:
-    """Send one message over the channel of worker ``pid``; False when it failed (logged unless
-    ``quiet``), never raised."""
+def _in_memory_file(text: bytes) -> int:
+    """A descriptor of a file in memory (a memfd) holding ``text``."""
+    fd = os.memfd_create("mnn-rollout-config")
+    try:
+        view = memoryview(text)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def config_text(message: bytes, fds: list[int]) -> bytes | None:
+    """The YAML of a config message the worker received (``send_config``), its descriptors closed;
+    None when it is not one."""
+    if not message.startswith(CONFIG_MESSAGE):
+        return None
+    if not fds:
+        return message[len(CONFIG_MESSAGE):]
+    with open(fds[0], "rb", closefd=True) as file:
+        for fd in fds[1:]:
+            os.close(fd)
+        file.seek(0)
+        return file.read()
+
+
+def send_message(pid: int, channel: socket.socket, message: bytes, quiet: bool = False, fd: int | None = None) -> bool:
+    """Send one message (with descriptor ``fd``, if any) over the channel of worker ``pid``; False
+    when it failed (logged unless ``quiet``), never raised."""
     if len(message) > MAX_CONFIG_BYTES:
         log.error("a message of %d bytes is over %d: workers keep their state", len(message), MAX_CONFIG_BYTES)
         return False
     try:
-        channel.send(message)
+        if fd is None:
+            channel.send(message)
+        else:
+            socket.send_fds(channel, [message], [fd])
     except OSError as exc:  # died (replaced from the newest state), or its channel is full (sent again)
         if not quiet:
             log.warning("worker pid %d did not take the message %r: %s", pid, message.split(b"\n", 1)[0], exc)
