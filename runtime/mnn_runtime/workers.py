@@ -458,14 +458,21 @@ class Supervisor(WorkerPool):
         self._loader.start()
 
     def _roll(self) -> None:
-        """Replace every worker by one forked now (sharing what was just loaded), one at a time."""
+        """Replace every worker by one forked now (sharing what was just loaded), one at a time.
+        A replacement has ``ready_timeout`` to serve, counted (as for any worker starting:
+        ``_kill_hung``) from the end of the last model load seen in the pod, which it may have had
+        to wait for (one at a time), for at most ``load_timeout`` more; else the old one is kept."""
         gc.freeze()
         for old, slot in sorted(self.children.items(), key=lambda item: item[1]):
             if self.stopping or old in self.retiring or old not in self.children:
                 continue
             new = self._spawn(slot)
-            deadline = time.monotonic() + self.ready_timeout
-            while new not in self.ready and time.monotonic() < deadline and not self.stopping:
+            started = time.monotonic()
+            while new not in self.ready and not self.stopping:
+                now = time.monotonic()
+                since = self._forked.get(new, started)  # moved on while a load is under way (_kill_hung)
+                if now - since >= self.ready_timeout or now - started >= self.ready_timeout + self.load_timeout:
+                    break
                 self._awaited = new
                 self._wait(0.2)
                 self._reap()
@@ -474,8 +481,8 @@ class Supervisor(WorkerPool):
                     new = next((p for p, s in self.children.items() if s == slot and p != old), new)
             self._awaited = None
             if new not in self.ready:
-                log.error("worker %d: its replacement (pid %d) is not serving after %.0f s; keeping pid %d",
-                          slot, new, self.ready_timeout, old)
+                log.error("worker %d: its replacement (pid %d) is not serving %.0f s after it was started; keeping "
+                          "pid %d", slot, new, time.monotonic() - started, old)
                 if new in self.children:
                     self.retiring.add(new)  # not respawned when reaped
                     self._routing_changed = True

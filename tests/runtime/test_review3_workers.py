@@ -13,7 +13,7 @@ import yaml
 from mnn_rollout.local.net import write_atomic
 from mnn_runtime.dataplane import WORKERS_DIFFER
 from mnn_runtime.workers_channel import MAX_CONFIG_BYTES
-from tests.runtime.test_workers import all_serving
+from tests.runtime.test_workers import all_serving, supervising
 from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,3 +51,72 @@ def test_a_config_over_one_message_reaches_every_worker(model_dir: Path, tmp_pat
         assert "is over" not in server.log()
     finally:
         server.stop()
+
+
+# A supervisor of one worker and a roll: once the first worker is inside a 3 s model load (one at a
+# time in the pod), a config that loaded a version is offered; the replacement forked by the roll
+# waits for that load before it serves, or, with a file "hang" in argv[1], never serves.
+# ready_timeout 1 s, load_timeout 10 s. argv[1]: a directory for the markers.
+ROLL = """
+import logging, os, socket, sys, threading, time
+from pathlib import Path
+from mnn_runtime import engine
+from mnn_runtime.workers import Supervisor
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+out = Path(sys.argv[1])
+engine.fork_parent(True)  # the pod's load lock, made before the fork as serve_workers makes it
+
+
+def serve_one(channel, ready_fd):
+    first = not (out / "first").exists()
+    (out / ("first" if first else "next")).write_text(str(os.getpid()))
+    if first:
+        os.write(ready_fd, b"r")
+        with engine.one_load_at_a_time():  # a version loaded again for a request
+            (out / "loading").write_text("")
+            time.sleep(3)
+    elif not (out / "hang").exists():
+        with engine.one_load_at_a_time():  # its own load at start, after the other one
+            pass
+        os.write(ready_fd, b"r")
+    while True:
+        time.sleep(60)
+
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+supervisor = Supervisor(1, sock, serve_one, None, apply=lambda config: True, ready_timeout=1.0, load_timeout=10.0)
+
+
+def offer():
+    while not (out / "loading").exists():
+        time.sleep(0.05)
+    supervisor.offer("a config that loaded a version")
+
+
+threading.Thread(target=offer, daemon=True).start()
+sys.exit(supervisor.run())
+"""
+
+
+def wait_for_log(log_path: Path, text: str, seconds: float = 30) -> str:
+    deadline = time.monotonic() + seconds
+    while text not in (log := log_path.read_text()):
+        assert time.monotonic() < deadline, f"no {text!r} in {seconds} s:\n{log}"
+        time.sleep(0.05)
+    return log
+
+
+def test_a_rolls_new_worker_waiting_for_another_load_is_given_its_time_after_it(tmp_path: Path) -> None:
+    """A roll's new worker had a fixed ``ready_timeout`` (60 s) from its fork; waiting for the pod's
+    one load at a time (another worker's long load) ate it, and the roll kept the old worker as
+    for a failed roll. Repro (ready_timeout 1 s, the other load 3 s): "its replacement is not
+    serving after 1 s; keeping" the old one; now the replacement serves and the old one retires."""
+    with supervising(ROLL, tmp_path) as (_, log_path):
+        log = wait_for_log(log_path, "workers replaced")
+        first, new = int((tmp_path / "first").read_text()), int((tmp_path / "next").read_text())
+        assert f"worker pid {new} serves" in log and "keeping" not in log, log
+        wait_for_log(log_path, f"(pid {first}) retired")
+
