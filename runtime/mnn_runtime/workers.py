@@ -480,6 +480,9 @@ class Supervisor(WorkerPool):
                 if new not in self.children:  # it died before serving (and was replaced): follow that one
                     new = next((p for p, s in self.children.items() if s == slot and p != old), new)
             self._awaited = None
+            if self.stopping:  # SIGTERM: the replacement stops with the rest (_stop)
+                log.info("worker %d: the roll stops with its replacement (pid %d) started: shutting down", slot, new)
+                break
             if new not in self.ready:
                 log.error("worker %d: its replacement (pid %d) is not serving %.0f s after it was started; keeping "
                           "pid %d", slot, new, time.monotonic() - started, old)
@@ -496,4 +499,5 @@ class Supervisor(WorkerPool):
                 os.kill(old, signal.SIGUSR2)
             except ProcessLookupError:
                 pass
-        log.info("workers replaced with the new versions loaded")
+        if not self.stopping:
+            log.info("workers replaced with the new versions loaded")

@@ -3,6 +3,7 @@ new worker is given its time once the pod's load lock lets it load; a roll stopp
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -120,3 +121,20 @@ def test_a_rolls_new_worker_waiting_for_another_load_is_given_its_time_after_it(
         assert f"worker pid {new} serves" in log and "keeping" not in log, log
         wait_for_log(log_path, f"(pid {first}) retired")
 
+
+def test_a_replacement_stopped_by_sigterm_is_not_logged_as_a_failed_roll(tmp_path: Path) -> None:
+    """SIGTERM while a roll waited for its new worker logged "its replacement (pid N) is not
+    serving after 60 s; keeping pid M" at once, then "workers replaced": neither happened. Now the
+    log says the roll stopped for the shutdown."""
+    (tmp_path / "hang").write_text("")
+    with supervising(ROLL, tmp_path) as (proc, log_path):
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "next").exists():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    new = int((tmp_path / "next").read_text())
+    log = log_path.read_text()
+    assert f"the roll stops with its replacement (pid {new}) started: shutting down" in log, log
+    assert "is not serving" not in log and "workers replaced" not in log, log
