@@ -13,7 +13,7 @@ from typing import Any
 from . import comparisons, experiment
 from .verdicts import Analysis
 from .spec import ModelDeploymentSpec
-from .status import (Phase, RolloutStatus, condition, epoch, pending_rollback, with_condition,
+from .status import (Phase, RolloutStatus, condition, epoch, iso, pending_rollback, with_condition,
                      without_pending_rollback)
 
 ACTIONS = ("promote", "promote-full", "abort", "retry")
@@ -71,7 +71,8 @@ def decide(
     elif canary is None:
         st = _no_canary(spec, experiment.removed(st, events), world, events, now)
     else:
-        st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending)
+        st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending,
+                     status.weights)
     st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, world, now, events)
     st = _progressing(st, events, now)
@@ -248,7 +249,7 @@ def file_of(spec: ModelDeploymentSpec, version: str) -> str:
 
 def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
             analysis: Analysis | None, now: float, events: list[Event],
-            pending: tuple[str, str, str] | None = None) -> RolloutStatus:
+            pending: tuple[str, str, str] | None = None, written: Mapping[str, int] | None = None) -> RolloutStatus:
     file = file_of(spec, canary)
     if st.canary_version == canary and st.canary_file is None:
         st = replace(st, canary_file=file)  # a status written before files were recorded: adopt
@@ -283,8 +284,10 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
                                    paused_at=st.paused_at or now), analysis)
         return _rollback_if_failed(spec, st, analysis, now, events) or st
     if st.paused_at is not None:
-        resumed = (st.step_started_at or now) + (now - st.paused_at)
-        st = replace(st, step_started_at=resumed, paused_at=None, phase=Phase.PROGRESSING)
+        held = now - st.paused_at
+        served = None if st.step_served_at is None else st.step_served_at + held
+        st = replace(st, step_started_at=(st.step_started_at or now) + held, step_served_at=served, paused_at=None,
+                     phase=Phase.PROGRESSING)
     if not world.ready(canary):
         return _wait_for_canary(spec, st, world, now, events)
     step = _step(spec, st)
@@ -296,8 +299,24 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         st = _set_weight(st, step.weight, now, restart_clock=True)
         events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
                                                       f"{st.canary_weight}%"))
-    st = _record(spec, st, analysis)
+    st = _record(spec, _served(st, written), analysis)
     return _rollback_if_failed(spec, st, analysis, now, events) or _advance(spec, st, analysis, world, now, events)
+
+
+def _served(st: RolloutStatus, written: Mapping[str, int] | None) -> RolloutStatus:
+    """The step's clock started (``step_served_at``) once every ready pod routes by its weights:
+    condition WeightsServed True, as the last reconcile saw the pods (its lastTransitionTime, when
+    they were first seen serving them). A ConfigMap reaches the pods seconds to a minute after it is
+    written: counted from the write, a step's pause and checks were partly spent on the previous
+    weights. Pods that report no weights (an older runtime; Unknown) count from the write, as before.
+    ``written``: the weights the condition was judged against (the status this decision started from)."""
+    if st.step_served_at is not None or st.step_started_at is None or written is None or st.weights != written:
+        return st
+    served = condition(st, "WeightsServed") or {}
+    if served.get("status") == "False":
+        return st
+    since = epoch(served.get("lastTransitionTime")) if served.get("status") == "True" else None
+    return replace(st, step_served_at=max(st.step_started_at, since or 0.0))
 
 
 def _rollback_if_failed(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None, now: float,
@@ -351,27 +370,46 @@ def _record(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | N
         return st
     failures = st.failures + 1 if analysis.verdict == "fail" else (0 if analysis.verdict == "pass" else st.failures)
     sequential = analysis.sequential if analysis.sequential is not None else st.sequential
-    return replace(st, failures=failures, analysis=analysis.as_status(failures), sequential=sequential)
+    # what the check measured began at the one before it (the direct provider's deltas; Prometheus reads
+    # one interval back, never before the step): a pass counts for a step only measured after it was served
+    before = epoch(st.analysis.get("checkedAt"))
+    since = before if before is not None else \
+        max(analysis.at - spec.strategy.analysis.interval_seconds, st.step_started_at or 0.0)
+    return replace(st, failures=failures, analysis={**analysis.as_status(failures), "windowFrom": iso(since)},
+                   sequential=sequential)
 
 
 def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None, world: World,
              now: float, events: list[Event]) -> RolloutStatus:
     step = _step(spec, st)
-    waited = now - (st.step_started_at or now)
+    waited = now - (st.step_started_at or now)  # since the write: the progress deadline
+    served = st.step_served_at
     checked_at = epoch(st.analysis.get("checkedAt")) or 0.0
-    # Only a pass measured at this step's weight counts: never advance on the previous step's.
-    last_pass = st.analysis.get("verdict") == "pass" and checked_at > (st.step_started_at or 0.0)
+    measured_from = epoch(st.analysis.get("windowFrom"))
+    if measured_from is None:  # recorded by an earlier operator
+        measured_from = checked_at - spec.strategy.analysis.interval_seconds
+    # Only a pass measured at this step's weight, as served by every pod, counts: never advance on the
+    # previous step's, nor on a check whose interval began before the pods were seen taking the step's
+    # weights (served at the write: pods that do not report them, or took them at once, as before).
+    last_pass = st.analysis.get("verdict") == "pass" and served is not None and checked_at > served \
+        and (measured_from >= served or served <= (st.step_started_at or 0.0))
     manual = step.pause_seconds is None
-    if world.action == "promote" or (not manual and waited >= (step.pause_seconds or 0) and last_pass):
+    ran = now - served if served is not None else 0.0
+    if world.action == "promote" or (not manual and ran >= (step.pause_seconds or 0) and last_pass):
         return _next_step(spec, st, now, events)
     where = f"step {st.step_text}: shadow {st.shadow_percent}%" if st.shadow_percent else \
         f"step {st.step_text} at {st.canary_weight}%"
     if manual:
         return replace(st, phase=Phase.PAUSED, message=f"{where}: waiting for promote")
+    unserved = "" if served is not None else (condition(st, "WeightsServed") or {}).get("message", "applying")
     if waited > spec.progress_deadline_seconds:
         verdict = st.analysis.get("verdict", "no analysis yet")
-        return _rollback(st, Phase.FAILED, DEADLINE,
-                         f"step {st.step_text} held {int(waited)}s (last analysis: {verdict})", now, events)
+        why = f"not served by every pod: {unserved}" if unserved else f"last analysis: {verdict}"
+        return _rollback(st, Phase.FAILED, DEADLINE, f"step {st.step_text} held {int(waited)}s ({why})", now, events)
+    if unserved:
+        return replace(st, phase=Phase.PROGRESSING,
+                       message=f"{where}: waiting for every pod to serve the step's weights ({unserved}); its pause "
+                               "and checks count from then")
     detail = "inconclusive: holding" if st.analysis.get("verdict") == "inconclusive" else "analysing"
     return replace(st, phase=Phase.PROGRESSING, message=f"{where}: {detail}")
 
@@ -424,7 +462,8 @@ def _set_weight(st: RolloutStatus, weight: int, now: float, restart_clock: bool)
     weights = {st.canary_version: weight, st.stable_version: 100 - weight}
     step_text = f"{(st.current_step or 0) + 1}/{st.total_steps}" if st.current_step is not None else ""
     return replace(st, canary_weight=weight, weights=weights, step_text=step_text,
-                   step_started_at=now if restart_clock else st.step_started_at)
+                   step_started_at=now if restart_clock else st.step_started_at,
+                   step_served_at=None if restart_clock else st.step_served_at)
 
 
 def _step(spec: ModelDeploymentSpec, st: RolloutStatus) -> Any:

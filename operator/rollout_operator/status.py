@@ -56,6 +56,7 @@ _KEYS: dict[str, tuple[str, str]] = {
     "replicas": ("replicas", "plain"),
     "selector": ("selector", "plain"),
     "step_started_at": ("stepStartedAt", "time"),
+    "step_served_at": ("stepServedAt", "time"),
     "rollout_started_at": ("rolloutStartedAt", "time"),
     "promoted_at": ("promotedAt", "time"),
     "rolled_back_at": ("rolledBackAt", "time"),
@@ -99,7 +100,9 @@ class RolloutStatus:
     ready_text: str = ""
     replicas: int = 0  # ready runtime pods: the scale subresource's status.replicas
     selector: str = ""  # the runtime pods' label selector: the scale subresource's selector
-    step_started_at: float | None = None
+    step_started_at: float | None = None  # the step's weights written: its progress deadline counts from here
+    # every ready pod seen routing by them (condition WeightsServed): its pause and analysis count from here
+    step_served_at: float | None = None
     rollout_started_at: float | None = None
     promoted_at: float | None = None
     rolled_back_at: float | None = None

@@ -1,0 +1,101 @@
+"""Review 3: the rollout engine's clocks. A step's pause and the analysis that lets it advance count
+from when every pod serves the step's weights (condition WeightsServed), not from the ConfigMap write;
+the progress deadline still counts from the write. An experiment's duration runs only while its split
+is served and it is not held. The operator's own Reconciler runs on the demo's in-memory ports, with
+pods that take the ConfigMap's weights late (a real kubelet takes seconds to a minute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rollout_operator.reconcile import Reconciler
+from rollout_operator.status import Phase, RolloutStatus, condition
+from rollout_operator.verdicts import PASS, Analysis, MetricResult
+from tests.operator.test_rollback_pending import T0, VERSIONS, Looks, WeightedPods, reconcile
+
+# steps of 30s, checks every 10s
+SLOW: dict[str, Any] = {
+    "versions": VERSIONS[:2], "canary": "v2", "progressDeadlineSeconds": 120,
+    "strategy": {"steps": [{"weight": 20, "pause": "30s"}, {"weight": 50, "pause": "30s"}],
+                 "analysis": {"interval": "10s", "failureLimit": 1, "minRequests": 10,
+                              "metrics": [{"name": "error-rate", "max": 0.05}]}}}
+
+
+class SetTime:
+    """The reconciler's time, set by the test."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def passing() -> Analysis:
+    return Analysis(T0, PASS, (MetricResult("error-rate", 0.0, "error rate <= 0.05", PASS),), 100)
+
+
+def late_pods(tmp_path: Path, spec: dict[str, Any]) -> tuple[WeightedPods, Reconciler, Looks, SetTime]:
+    """``spec``'s canary at step 1 (v1 80%, v2 20%) written at T0; the pod still routes by v1:100."""
+    ports, looks, clock = WeightedPods(spec, tmp_path / "runtime.yaml"), Looks(), SetTime()
+    rec = Reconciler(ports, analyzer=looks, clock=clock)
+    for _ in range(3):
+        reconcile(ports, rec)
+    st = ports.status()
+    assert st.weights == {"v1": 80, "v2": 20} == ports.served() and st.step_started_at == T0
+    return ports, rec, looks, clock
+
+
+def at(ports: WeightedPods, rec: Reconciler, clock: SetTime, now: float, look: Looks | None = None) -> RolloutStatus:
+    """A reconcile at ``now`` (with a passing look when ``look`` is given)."""
+    clock.now = now
+    if look is not None:
+        look.next = passing()
+    reconcile(ports, rec)
+    return ports.status()
+
+
+def test_a_step_served_late_advances_only_a_pause_after_the_pods_serve_its_weights(tmp_path: Path) -> None:
+    """Found in review: a step's pause counted from the ConfigMap write. Pods that took the weights
+    25s late served the 30s step's 20% for 5s, and a check whose interval was mostly on v1:100 let it
+    advance at T0+30. Now the pause, and the checks that count, start when every pod serves it."""
+    ports, rec, looks, clock = late_pods(tmp_path, SLOW)
+    for t in (10, 20):
+        st = at(ports, rec, clock, T0 + t, looks)
+        assert (condition(st, "WeightsServed") or {}).get("status") == "False" and st.current_step == 0
+        assert "every pod" in st.message and "pod-a serves v1:100" in st.message, st.message
+    ports.applied = True  # the pod takes the new weights at T0+25
+    st = at(ports, rec, clock, T0 + 25)
+    assert (condition(st, "WeightsServed") or {}).get("status") == "True"
+    st = at(ports, rec, clock, T0 + 26)
+    assert st.step_served_at == T0 + 25 and st.step_started_at == T0
+    st = at(ports, rec, clock, T0 + 30, looks)  # a pass, but over [T0+20, T0+30]: 5s on the step's weights
+    assert st.current_step == 0 and st.weights == {"v1": 80, "v2": 20}, st.message
+    for t in (40, 50):
+        st = at(ports, rec, clock, T0 + t, looks)
+        assert st.current_step == 0, st.message
+    st = at(ports, rec, clock, T0 + 55, looks)  # 30s served and a pass measured on them: next step
+    assert st.current_step == 1 and st.weights == {"v1": 50, "v2": 50} and st.step_served_at is None
+
+
+def test_a_step_never_served_still_fails_at_the_progress_deadline_from_the_write(tmp_path: Path) -> None:
+    ports, rec, looks, clock = late_pods(tmp_path, SLOW)
+    st = at(ports, rec, clock, T0 + 100, looks)
+    assert st.phase == Phase.PROGRESSING and st.current_step == 0
+    st = at(ports, rec, clock, T0 + 121)
+    assert st.phase == Phase.FAILED and st.weights == {"v1": 100, "v2": 0}
+    assert st.abort_reason is not None and "pod-a serves v1:100" in st.abort_reason, st.abort_reason
+
+
+def test_pods_that_do_not_report_their_weights_count_the_step_from_the_write(tmp_path: Path) -> None:
+    """An older runtime says nothing of its weights (WeightsServed Unknown): nothing to wait for."""
+    ports, rec, looks, clock = late_pods(tmp_path, SLOW)
+    ports.reports = False
+    at(ports, rec, clock, T0 + 1)
+    st = at(ports, rec, clock, T0 + 10, looks)
+    assert st.step_served_at == T0
+    for t in (20, 30):
+        st = at(ports, rec, clock, T0 + t, looks)
+    assert st.current_step == 1, st.message
+
