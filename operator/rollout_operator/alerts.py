@@ -8,7 +8,11 @@ webhook only marks the object (the ``mnnrollout.io/alert`` annotation, ``alertna
 experiment's challengers; instance: the hash of the alert's labels, as one rule fires an alert per
 label set; one mark per alert firing, ``;``-separated) while the alert fires, and
 removes that alert's mark when Alertmanager reports it resolved (another alert still firing keeps
-its own: a retried canary is rolled back again while any fires); each write carries the object's
+its own: a retried canary is rolled back again while any fires). It remembers that resolve
+(``mnnrollout.io/alert-resolved``: ``alertname@startsAt@instance``, the last ``MAX_RESOLVED``), and
+for each alert keeps its latest start only, so a notification arriving late (a retry, another
+Alertmanager replica's copy) never marks again: a firing that started before, or at, what was already
+handled for that alert changes nothing, while a new firing (a later startsAt) marks; each write carries the object's
 resourceVersion, so two webhook calls at once never lose a mark; the replica that holds the peering lease
 acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
 missing or wrong bearer token 401, and neither changes anything. A connection has ``idle_timeout_s`` from
@@ -26,10 +30,12 @@ import hmac
 import io
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +50,8 @@ MAX_BODY = 1 << 20
 IDLE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
 EVICTED_THREADS = 8  # threads of closed-for-a-newer-one connections still ending, beyond max_connections
+RESOLVED_ANNOTATION = f"{ALERT_ANNOTATION}-resolved"  # alerts resolved, so a late firing of one marks nothing
+MAX_RESOLVED = 16  # resolved alerts remembered per object, the latest
 
 
 class PayloadError(ValueError):
@@ -139,9 +147,9 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
             for md in marked_by(kube, prefix, labels.get("namespace"), namespaces):
-                _remark(kube, md, lambda marks: [m for m in marks if not _of(m, prefix)])  # noqa: B023
-                log.info("alert %s mark removed from %s/%s", alertname, md["metadata"]["namespace"],
-                         md["metadata"]["name"])
+                if _remark(kube, md, lambda marks: _resolve(marks, prefix)):  # noqa: B023
+                    log.info("alert %s mark removed from %s/%s", alertname, md["metadata"]["namespace"],
+                             md["metadata"]["name"])
             continue
         for md in targets(kube, labels, namespaces):
             meta = md["metadata"]
@@ -152,7 +160,7 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
                 ",".join(challengers(status))
             value = prefix + str(status.get("canaryVersion") or named)
             if not _remark(kube, md, lambda marks: _with_mark(marks, value)):  # noqa: B023
-                continue
+                continue  # marked already, or a late notification of a firing already handled
             log.warning("alert %s firing for %s/%s: rolling back its canary", alertname, meta["namespace"],
                         meta["name"])
             marked.append(f"{meta['namespace']}/{meta['name']}")
@@ -165,45 +173,95 @@ def instance(labels: dict[str, str]) -> str:
 
 
 def _of(mark: str, prefix: str) -> bool:
-    """Whether ``mark`` is the one an alert's ``name@startsAt@instance@`` prefix wrote; or, written by
-    an operator before marks had an instance (``name@startsAt@versions``), the one of its name and start."""
+    """Whether ``mark`` is the one an alert's ``name@startsAt@instance@`` prefix wrote (not the
+    prefix alone: that alert resolved); or, written by an operator before marks had an instance
+    (``name@startsAt@versions``), the one of its name and start."""
     parts = mark.split("@")
-    return mark.startswith(prefix) or (len(parts) == 3 and prefix.startswith(f"{parts[0]}@{parts[1]}@"))
+    return (mark.startswith(prefix) and mark != prefix) or (len(parts) == 3
+                                                            and prefix.startswith(f"{parts[0]}@{parts[1]}@"))
+
+
+def _resolve(marks: list[str], prefix: str) -> list[str]:
+    """``marks`` without the firing mark of an alert's ``name@startsAt@instance@`` prefix, and, if it
+    had one, with the prefix alone (resolved) in its place."""
+    kept = [m for m in marks if not _of(m, prefix)]
+    return kept if kept == marks else [*(m for m in kept if m != prefix), prefix]
+
+
+START = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", re.IGNORECASE)
+
+
+def _start(text: str) -> tuple[int, int] | None:
+    """An RFC 3339 time (Alertmanager's startsAt: nanoseconds, trailing zeros trimmed) as seconds
+    and nanoseconds since the epoch; None when it is not one."""
+    found = START.fullmatch(text)
+    if found is None:
+        return None
+    zone = "+00:00" if found[3].upper() == "Z" else found[3]
+    try:
+        seconds = datetime.fromisoformat(found[1] + zone).timestamp()
+    except ValueError:
+        return None
+    return int(seconds), int((found[2] or "0").ljust(9, "0"))
+
+
+def _not_before(start: str, other: str) -> bool:
+    """Whether ``start`` is ``other`` or later (as text when either is not a time)."""
+    ours, theirs = _start(start), _start(other)
+    return start == other if ours is None or theirs is None else ours >= theirs
 
 
 def _with_mark(marks: list[str], mark: str) -> list[str]:
     """``marks`` with ``mark`` (``name@startsAt@instance@versions``) in, in place of the same alert's
-    earlier firings (same name and instance, another start; a mark without an instance, of the same
-    name and start, too)."""
+    earlier firings or resolve (same name and instance, an earlier start; a mark without an instance,
+    of the same name and start, too). Unchanged when the alert has a later start there, or resolved
+    at this one: this firing's notification arrived late."""
     name, start, same, _ = mark.split("@", 3)
+
+    def alert(m: str) -> bool:
+        parts = m.split("@")
+        return len(parts) == 4 and parts[0] == name and parts[2] == same
+
+    for m in filter(alert, marks):
+        other, versions = m.split("@")[1], m.split("@")[3]
+        if m != mark and _not_before(other, start) and (not versions or not _not_before(start, other)):
+            log.info("alert %s: a firing from %s arrived after %s of %s, left as it is", name, start,
+                     "the resolve" if not versions else "the firing", other)
+            return marks
 
     def earlier(m: str) -> bool:
         parts = m.split("@")
-        return (len(parts) == 4 and parts[0] == name and parts[2] == same) or (len(parts) == 3
-                                                                              and parts[:2] == [name, start])
+        return alert(m) or (len(parts) == 3 and parts[:2] == [name, start])
 
     kept = [m for m in marks if m == mark or not earlier(m)]
     return kept if mark in kept else [*kept, mark]
 
 
 def marks_of(md: dict[str, Any]) -> list[str]:
-    """The alert marks an object holds, in order."""
-    value = (md["metadata"].get("annotations") or {}).get(ALERT_ANNOTATION) or ""
-    return [m for m in value.split(ALERT_MARK_SEPARATOR) if m]
+    """The alert marks an object holds, in order, then the resolved alerts it remembers
+    (``name@startsAt@instance@``: no versions)."""
+    annotations = md["metadata"].get("annotations") or {}
+    return [m for m in (annotations.get(ALERT_ANNOTATION) or "").split(ALERT_MARK_SEPARATOR) if m] + [
+        f"{m}@" for m in (annotations.get(RESOLVED_ANNOTATION) or "").split(ALERT_MARK_SEPARATOR) if m]
 
 
 def _remark(kube: KubeClient, md: dict[str, Any], change: Callable[[list[str]], list[str]], tries: int = 5) -> bool:
-    """Write ``change(marks)`` as the object's marks, over the version it was read at (a webhook
-    call marking or unmarking it meanwhile: read again and redo); False when nothing changed."""
+    """Write ``change(marks)`` as the object's marks (``marks_of``: the firing ones in the alert
+    annotation, the last ``MAX_RESOLVED`` resolved ones in their own, so that the reconcile reads firing
+    marks only), over the version it was read at (a webhook call marking or unmarking it meanwhile:
+    read again and redo); False when nothing changed."""
     meta = md["metadata"]
     for _ in range(tries):
         marks = change(marks_of(md))
         if marks == marks_of(md):
             return False
-        value = ALERT_MARK_SEPARATOR.join(marks) or None
+        firing = [m for m in marks if not m.endswith("@")]
+        resolved = [m.removesuffix("@") for m in marks if m.endswith("@")][-MAX_RESOLVED:]
         try:
             kube.patch("ModelDeployment", meta["namespace"], meta["name"], {"metadata": {
-                "resourceVersion": md["metadata"]["resourceVersion"], "annotations": {ALERT_ANNOTATION: value}}})
+                "resourceVersion": md["metadata"]["resourceVersion"], "annotations": {
+                    ALERT_ANNOTATION: ALERT_MARK_SEPARATOR.join(firing) or None,
+                    RESOLVED_ANNOTATION: ALERT_MARK_SEPARATOR.join(resolved) or None}}})
             return True
         except ApiError as exc:
             if exc.status != 409:
