@@ -134,9 +134,9 @@ def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> lis
 def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str] | None) -> list[str]:
     """Mark every ModelDeployment a firing alert names (``alertname@startsAt@instance@canary``, beside
     the marks of other alerts firing), and take a resolved alert's mark off those it marked; returns
-    ``namespace/name`` of each object marked. A mark stays while its alert fires, so a retried
+    ``namespace/name`` of each object marked, once. A mark stays while its alert fires, so a retried
     canary is rolled back again until every alert on it resolves."""
-    marked = []
+    marked: list[str] = []
     for alert in alerts:
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
         alertname = labels.get("alertname", "alert")
@@ -163,7 +163,8 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
                 continue  # marked already, or a late notification of a firing already handled
             log.warning("alert %s firing for %s/%s: rolling back its canary", alertname, meta["namespace"],
                         meta["name"])
-            marked.append(f"{meta['namespace']}/{meta['name']}")
+            if f"{meta['namespace']}/{meta['name']}" not in marked:
+                marked.append(f"{meta['namespace']}/{meta['name']}")
     return marked
 
 

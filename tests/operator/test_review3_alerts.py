@@ -114,6 +114,15 @@ def test_what_the_webhook_remembers_of_resolved_alerts_is_bounded_per_object(
     assert post(webhook, payload(pods[0])).json() == {"rolledBack": ["default/scorer"]}
 
 
+def test_the_reply_names_each_object_once_however_many_alerts_marked_it(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    """Found in review: two alerts marking one object listed it twice."""
+    down = {"alertname": "PodsDown", "namespace": "default", "modeldeployment": "scorer"}
+    resp = post(webhook, payload(alert(LABELS), alert(down)))
+    assert resp.json() == {"rolledBack": ["default/scorer"]}
+    assert mark(kube) == f"{marked(LABELS)};{marked(down)}"
+
+
 def test_behind_a_real_alertmanager_an_alert_firing_again_after_its_resolve_marks_the_canary_again(
         kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook,
         alertmanager_factory: Callable[..., Alertmanager]) -> None:  # noqa: F811

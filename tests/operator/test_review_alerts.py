@@ -45,7 +45,7 @@ def test_an_alert_naming_the_object_and_another_version_than_the_canary_rolls_no
     own = {"alertname": "CanaryErrors", "namespace": "default", "modeldeployment": "scorer", "version": "v3"}
     whole = {"alertname": "PodsDown", "namespace": "default", "modeldeployment": "scorer"}
     resp = post(webhook, payload(alert(own), alert(whole)))
-    assert resp.json() == {"rolledBack": ["default/scorer", "default/scorer"]}
+    assert resp.json() == {"rolledBack": ["default/scorer"]}  # once, though two alerts marked it
     assert mark(kube) == f"{marked(own, 'v3')};{marked(whole, 'v3')}"
     challenger = {"alertname": "CanaryErrors", "namespace": "default", "modeldeployment": "experiment",
                   "version": "v2"}
