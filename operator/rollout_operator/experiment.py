@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from . import comparisons
 from .sequential import WORSE, Comparison, winner
 from .spec import ModelDeploymentSpec
-from .status import Phase, RolloutStatus, iso, with_condition
+from .status import Phase, RolloutStatus, condition, iso, with_condition
 from .verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult, Sample, compare_result, guard_results
 
 if TYPE_CHECKING:
@@ -113,12 +113,15 @@ def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, 
 
 
 def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis: Analysis | None, now: float,
-           events: list[Event], pending: tuple[str, str, str] | None = None) -> RolloutStatus:
+           events: list[Event], pending: tuple[str, str, str] | None = None,
+           written: Mapping[str, int] | None = None) -> RolloutStatus:
     """The experiment's next status: start it, give the split once every version is loaded, record
     each look, and conclude (promote the winner, or keep stable). ``pending``: the (reason,
     message, target) of an abort of this experiment decided but not recorded (a reconcile cut
-    between its writes)."""
-    from .rollout import Event, hold_unready
+    between its writes). ``written``: the weights the status this decision started from gave.
+    Its duration runs only while every pod serves the split and it is not held (spec.paused, an
+    invalid spec, a version not loaded on every pod): it never ends on less of it than asked."""
+    from .rollout import Event, hold_unready, served_since
 
     exp = spec.experiment
     assert exp is not None and st.stable_version is not None
@@ -134,7 +137,8 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
                                                             f"{exp.metric}: {_fmt(exp.weights)}"))
         st = replace(st, experiment=state, phase=Phase.PROGRESSING, rollout_started_at=now, step_started_at=None,
                      analysis={}, failures=0, canary_version=None, canary_file=None, canary_weight=0,
-                     current_step=None, step_text="", shadow_percent=None, sequential=None, abort_reason=None)
+                     current_step=None, step_text="", shadow_percent=None, sequential=None, abort_reason=None,
+                     step_served_at=None, paused_at=None)
     if state.get("state") != RUNNING:
         return st  # concluded: what it decided keeps serving while the spec names it
     if world.alert:  # even while a challenger still loads
@@ -147,7 +151,15 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
         return replace(st, weights=weights, message=f"experiment: waiting for {', '.join(waiting) or 'the split'} "
                                                     "to load on every pod")
     if st.step_started_at is None:
-        st = replace(st, weights=weights, step_started_at=now)  # the split is served: the clock starts now
+        st = replace(st, weights=weights, step_started_at=now)  # the split is written
+    st = served_since(st, written)  # its clock starts once every pod serves it
+    held = spec.paused or any(not world.ready(v) for v in exp.weights)
+    if held:
+        st = replace(st, paused_at=st.paused_at or now)
+    elif st.paused_at is not None:  # the time held does not count
+        gap = now - st.paused_at
+        st = replace(st, step_started_at=(st.step_started_at or now) + gap, paused_at=None,
+                     step_served_at=None if st.step_served_at is None else st.step_served_at + gap)
     if analysis is not None:
         state["comparisons"] = analysis.sequential or state.get("comparisons") or {}
         state["checkedAt"] = iso(analysis.at)
@@ -170,10 +182,25 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
             return _promote(spec, st, state, best, found, now, events)
         if analysis.verdict == FAIL:
             return _keep_stable(st, state, "every challenger is worse than stable", now, events)
-    ran = now - (st.step_started_at or now)
     if spec.paused:
         return replace(st, phase=Phase.PROGRESSING, experiment=state,
                        message=f"experiment on {exp.metric} held: no conclusion meanwhile; " + _results(state))
+    if held:
+        unready = "; ".join(f"{v}: {world.reasons.get(v, 'not loaded yet')}" for v in sorted(exp.weights)
+                            if not world.ready(v))
+        return replace(st, phase=Phase.PROGRESSING, experiment=state,
+                       message=f"experiment on {exp.metric} held until every version is loaded on every pod "
+                               f"({unready}): its duration does not run meanwhile; " + _results(state))
+    if st.step_served_at is None:
+        waited = now - (st.step_started_at or now)
+        unserved = (condition(st, "WeightsServed") or {}).get("message", "applying")
+        if waited > spec.progress_deadline_seconds:
+            return _abort(st, state, f"the split was not served by every pod within {int(waited)}s: {unserved}",
+                          now, events)
+        return replace(st, phase=Phase.PROGRESSING, experiment=state,
+                       message=f"experiment on {exp.metric}: waiting for every pod to serve {_fmt(exp.weights)} "
+                               f"({unserved}); its duration runs from then")
+    ran = now - st.step_served_at
     if ran >= exp.duration_seconds(spec.progress_deadline_seconds):
         return _keep_stable(st, state, f"no challenger was better within {int(ran)}s", now, events)
     return replace(st, phase=Phase.PROGRESSING, experiment=state,
@@ -188,6 +215,7 @@ def removed(st: RolloutStatus, events: list[Event]) -> RolloutStatus:
     if not st.experiment or st.experiment.get("removed"):
         return st
     state = {**st.experiment, "removed": True}
+    st = replace(st, paused_at=None)
     if state.get("state") == RUNNING:
         state.update(state=ABORTED, endedAt=state.get("checkedAt"), message="removed from the spec")
         events.append(Event("Warning", "ExperimentAborted", f"experiment on {state.get('metric')} removed from the "

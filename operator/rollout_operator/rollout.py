@@ -67,7 +67,7 @@ def decide(
     if outcome != APPLIED:
         world = replace(world, action=None)  # pending or ignored: the machine does not see it
     if spec.experiment is not None:
-        st = experiment.decide(spec, st, world, analysis, now, events, pending)
+        st = experiment.decide(spec, st, world, analysis, now, events, pending, status.weights)
     elif canary is None:
         st = _no_canary(spec, experiment.removed(st, events), world, events, now)
     else:
@@ -299,11 +299,11 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         st = _set_weight(st, step.weight, now, restart_clock=True)
         events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
                                                       f"{st.canary_weight}%"))
-    st = _record(spec, _served(st, written), analysis)
+    st = _record(spec, served_since(st, written), analysis)
     return _rollback_if_failed(spec, st, analysis, now, events) or _advance(spec, st, analysis, world, now, events)
 
 
-def _served(st: RolloutStatus, written: Mapping[str, int] | None) -> RolloutStatus:
+def served_since(st: RolloutStatus, written: Mapping[str, int] | None) -> RolloutStatus:
     """The step's clock started (``step_served_at``) once every ready pod routes by its weights:
     condition WeightsServed True, as the last reconcile saw the pods (its lastTransitionTime, when
     they were first seen serving them). A ConfigMap reaches the pods seconds to a minute after it is

@@ -9,8 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rollout_operator import experiment
 from rollout_operator.reconcile import Reconciler
-from rollout_operator.status import Phase, RolloutStatus, condition
+from rollout_operator.rollout import World, decide
+from rollout_operator.spec import parse_spec
+from rollout_operator.status import Phase, RolloutStatus, condition, with_condition
 from rollout_operator.verdicts import PASS, Analysis, MetricResult
 from tests.operator.test_rollback_pending import T0, VERSIONS, Looks, WeightedPods, reconcile
 
@@ -99,3 +102,83 @@ def test_pods_that_do_not_report_their_weights_count_the_step_from_the_write(tmp
         st = at(ports, rec, clock, T0 + t, looks)
     assert st.current_step == 1, st.message
 
+
+
+# -- experiments --------------------------------------------------------------------------------
+
+EXPERIMENT = parse_spec({
+    "versions": [{"name": v, "uri": f"{v}.mnn"} for v in ("v1", "v2")], "stable": "v1",
+    "experiment": {"weights": {"v1": 50, "v2": 50}, "metric": "conversion", "maxDuration": "100s"},
+    "strategy": {"analysis": {"interval": "5s", "metrics": [
+        {"name": "conversion", "compare": "stable", "margin": 0, "effect": 0.01}]}},
+    "progressDeadlineSeconds": 600})
+BOTH = World(versions_ready={"v1": True, "v2": True}, ready_pods=2, desired_pods=2)
+
+
+def split_written() -> RolloutStatus:
+    """The experiment started and its split written at T0 (nothing said yet of the pods)."""
+    st, _ = decide(EXPERIMENT, RolloutStatus(stable_version="v1", phase=Phase.READY, weights={"v1": 100}), BOTH,
+                   None, T0)
+    assert st.weights == {"v1": 50, "v2": 50} and st.step_started_at == T0
+    return st
+
+
+def served(st: RolloutStatus, status: str, at: float) -> RolloutStatus:
+    """Condition WeightsServed as the reconcile after a decision records it."""
+    return with_condition(st, "WeightsServed", status, "Served" if status == "True" else "Applying",
+                          "every pod serves v1:50, v2:50" if status == "True" else "pod-a serves v1:100", at)
+
+
+def test_an_experiment_held_by_spec_paused_does_not_spend_its_duration() -> None:
+    """Found in review: maxDuration ran while the experiment was held (spec.paused, an invalid spec):
+    10s of a 100s experiment, paused for 490s, ended at once on resume as NoWinner, "no challenger was
+    better within 501s". Now held time does not count: it ends after 100s of running."""
+    st, _ = decide(EXPERIMENT, split_written(), BOTH, None, T0 + 10)
+    paused = EXPERIMENT.model_copy(update={"paused": True})
+    for t in (11, 300, 500):
+        st, _ = decide(paused, st, BOTH, None, T0 + t)
+        assert st.phase == Phase.PROGRESSING and "held" in st.message
+    st, events = decide(EXPERIMENT, st, BOTH, None, T0 + 501)
+    assert (st.experiment or {}).get("state") == experiment.RUNNING and events == [], st.message
+    st, events = decide(EXPERIMENT, st, BOTH, None, T0 + 589)  # 11s before the pause, 88s after it
+    assert (st.experiment or {}).get("state") == experiment.RUNNING and events == [], st.message
+    st, events = decide(EXPERIMENT, st, BOTH, None, T0 + 590)
+    assert (st.experiment or {}).get("state") == experiment.NO_WINNER and st.weights == {"v1": 100, "v2": 0}
+    assert "within 100s" in (st.experiment or {}).get("message", ""), st.experiment
+
+
+def test_an_experiment_with_a_version_unloaded_on_a_pod_does_not_spend_its_duration() -> None:
+    """A challenger not loaded on every pod routes its share to the fallback (stable): no data."""
+    st, _ = decide(EXPERIMENT, split_written(), BOTH, None, T0 + 10)
+    v2_gone = World(versions_ready={"v1": True, "v2": False}, reasons={"v2": "pod-b: loading"}, ready_pods=2,
+                    desired_pods=2)
+    for t in (11, 500):
+        st, _ = decide(EXPERIMENT, st, v2_gone, None, T0 + t)
+        assert "pod-b: loading" in st.message and st.weights == {"v1": 50, "v2": 50}, st.message
+    for t in (501, 589):
+        st, _ = decide(EXPERIMENT, st, BOTH, None, T0 + t)
+        assert (st.experiment or {}).get("state") == experiment.RUNNING, st.message
+    st, _ = decide(EXPERIMENT, st, BOTH, None, T0 + 590)
+    assert (st.experiment or {}).get("state") == experiment.NO_WINNER
+
+
+def test_an_experiment_runs_its_duration_from_when_every_pod_serves_the_split() -> None:
+    """Found in review: the split's clock started at the ConfigMap write."""
+    st = served(split_written(), "False", T0)
+    st, _ = decide(EXPERIMENT, st, BOTH, None, T0 + 150)  # 150s after the write, no pod serves the split yet
+    assert (st.experiment or {}).get("state") == experiment.RUNNING and "pod-a serves v1:100" in st.message
+    st, _ = decide(EXPERIMENT, served(st, "True", T0 + 160), BOTH, None, T0 + 161)
+    assert st.step_served_at == T0 + 160 and (st.experiment or {}).get("state") == experiment.RUNNING
+    st, _ = decide(EXPERIMENT, st, BOTH, None, T0 + 259)
+    assert (st.experiment or {}).get("state") == experiment.RUNNING
+    st, _ = decide(EXPERIMENT, st, BOTH, None, T0 + 260)
+    assert (st.experiment or {}).get("state") == experiment.NO_WINNER
+
+
+def test_an_experiment_whose_split_no_pod_serves_is_aborted_at_the_progress_deadline() -> None:
+    st = served(split_written(), "False", T0)
+    st, _ = decide(EXPERIMENT, st, BOTH, None, T0 + 600)
+    assert (st.experiment or {}).get("state") == experiment.RUNNING
+    st, events = decide(EXPERIMENT, st, BOTH, None, T0 + 601)
+    assert (st.experiment or {}).get("state") == experiment.ABORTED and st.weights == {"v1": 100, "v2": 0}
+    assert "ExperimentAborted" in [e.reason for e in events] and "pod-a serves v1:100" in (st.abort_reason or "")
