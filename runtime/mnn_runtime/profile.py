@@ -3,24 +3,26 @@
 What is served is an ``MNN.nn`` Module, which has no per-operator hook; MNN's session API does:
 ``Interpreter.runSessionWithCallBackInfo`` calls back before and after every operator. A profile
 therefore builds its own Interpreter and session from the model's file, which holds a second copy
-of the weights while it runs (fine for an admin call, never on the serving path), and runs it on
-one MNN thread. Each run is a plain ``runSession`` followed by one with callbacks, on the same
-inputs, so a slow moment of the machine lands on both. An operator's time is measured from its
-``before`` callback to its ``after`` callback, so it includes MNN wrapping that operator's tensors
-for Python: measured at ~1.8 µs per operator on these machines (an 8-op scorer whose forward takes
-9 µs sums to 23 µs; a 23-op one of 3.5 ms sums to the forward within noise).
+of the weights while it runs (fine for an admin call, never on the serving path: the runtime
+profiles in a child process, see ``Profiler``), and runs it on one MNN thread. Each run is a
+plain ``runSession`` followed by one with callbacks, on the same inputs, so a slow moment of the
+machine lands on both. An operator's time is measured from its ``before`` callback to its
+``after`` callback, so it includes MNN wrapping that operator's tensors for Python: measured at
+~1.8 µs per operator on these machines (an 8-op scorer whose forward takes 9 µs sums to 23 µs; a
+23-op one of 3.5 ms sums to the forward within noise).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,10 @@ from .errors import InferenceError
 
 CONFIG = {"backend": "CPU", "numThread": 1}
 MAX_RUNS = 1000  # the endpoint's bound: 1000 runs of v2-slow (two ~4 ms forwards each) took 8-15 s here
+DEFAULT_TIMEOUT = 60  # the endpoint's wall-clock limit of one profile, seconds (its ?timeout=)
+MAX_TIMEOUT = 600
+
+log = logging.getLogger(__name__)
 
 
 class ProfileError(Exception):
@@ -46,6 +52,12 @@ class ModelFileChanged(InferenceError):
     another model."""
 
     status_code = 409
+
+
+class ProfileTimeout(InferenceError):
+    """The profile ran past its wall-clock limit; its process was killed."""
+
+    status_code = 504
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,15 @@ class Profile:
         return {"total_ms": self.total_ms, "forward_ms": self.forward_ms,
                 "ops": [{"name": o.name, "type": o.type, "ms": o.ms, "share": o.share, "mflops": o.mflops}
                         for o in self.ops]}
+
+    def to_dict(self) -> dict[str, Any]:
+        """``as_dict`` with the runs and shapes: everything ``from_dict`` needs."""
+        return {**self.as_dict(), "runs": self.runs, "shapes": {n: list(s) for n, s in self.shapes.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        return cls(tuple(OpTiming(**op) for op in data["ops"]), data["total_ms"], data["forward_ms"], data["runs"],
+                   {name: tuple(shape) for name, shape in data["shapes"].items()})
 
     def table(self, title: str) -> str:
         """The profile as text, one line per operator in the order they ran."""
@@ -217,33 +238,92 @@ def native_stdout_to_stderr() -> Iterator[None]:
 
 
 class Profiler:
-    """The runtime's side: one profile at a time per process, on its own thread, off the event
-    loop and away from the executor that serving may use."""
+    """The runtime's side: one profile at a time per process, each in a child process of its own
+    (``python -m mnn_runtime.profile``). Not a thread: ``runSessionWithCallBackInfo`` holds the GIL
+    from the first operator to the last, so a thread stalled the serving loop for whole operators
+    (p99 of a v1 request 0.8 -> 115 ms while profiling a 426 ms forward). The child is killed when
+    its wall-clock limit passes or when the caller stops waiting (the HTTP client went away)."""
 
     def __init__(self) -> None:
-        self._busy = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._busy = False  # touched only on the event loop
 
-    async def run(self, path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]]) -> Profile:
-        if not self._busy.acquire(blocking=False):
+    async def run(self, path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]],
+                  timeout: float = DEFAULT_TIMEOUT) -> Profile:
+        if self._busy:
             raise ProfileBusy("a profile is already running in this process; try again when it is done")
-        try:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mnn-profile")
-            future = asyncio.get_running_loop().run_in_executor(self._executor, self._profile, path, sha256, runs,
-                                                                shapes)
-        except BaseException:
-            self._busy.release()
-            raise
-        return await future
-
-    def _profile(self, path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]]) -> Profile:
-        try:  # the lock is let go when the work ends, even if the client left before
-            from .model import file_sha256
-
-            if not path.is_file() or file_sha256(path) != sha256:
-                raise ModelFileChanged(f"the file {str(path)!r} changed on disk since this version was loaded; "
-                                       "it would profile another model")
-            return profile_model(path, runs, shapes)
+        self._busy = True
+        try:  # let go only once the child is gone
+            return await self._in_child(path, sha256, runs, shapes, timeout)
         finally:
-            self._busy.release()
+            self._busy = False
+
+    async def _in_child(self, path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]],
+                        timeout: float) -> Profile:
+        ask = json.dumps({"path": str(path), "sha256": sha256, "runs": runs, "timeout": timeout, "parent": os.getpid(),
+                          "shapes": {name: list(shape) for name, shape in shapes.items()}}).encode()
+        pipe = asyncio.subprocess.PIPE
+        try:
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "mnn_runtime.profile", stdin=pipe,
+                                                        stdout=pipe, stderr=pipe)
+        except OSError as exc:
+            raise ProfileError(f"cannot start the profiling process: {exc}") from None
+        log.info("profiling %s: %d runs in process %d, time limit %g s", path, runs, proc.pid, timeout)
+        why = "the caller stopped waiting"  # cancelled: the HTTP client went away
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(ask), timeout)
+        except asyncio.TimeoutError:
+            why = f"past its time limit of {timeout:g} s"
+            raise ProfileTimeout(f"the profile ran past its time limit of {timeout:g} s (timeout={timeout:g}) and was "
+                                 f"stopped: ask for fewer runs or a longer timeout (at most {MAX_TIMEOUT})") from None
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                log.info("profiling process %d killed: %s", proc.pid, why)
+        try:
+            answer = json.loads(out)
+        except ValueError:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+            raise ProfileError(f"the profiling process exited with {proc.returncode}: {tail[0]}") from None
+        if "profile" not in answer:
+            raise (ModelFileChanged if answer["error"] == "changed" else ProfileError)(answer["message"])
+        return Profile.from_dict(answer["profile"])
+
+
+def _profile_unchanged(path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]]) -> Profile:
+    from .model import file_sha256
+
+    if not path.is_file() or file_sha256(path) != sha256:
+        raise ModelFileChanged(f"the file {str(path)!r} changed on disk since this version was loaded; "
+                               "it would profile another model")
+    return profile_model(path, runs, shapes)
+
+
+def _exit_when_orphaned(parent: int, deadline: float) -> None:
+    """The child's own stop, in case its parent could not kill it (the parent died, say)."""
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os._exit(3)
+
+
+def _child() -> int:
+    """One profile asked as JSON on stdin, answered as JSON on stdout."""
+    ask = json.loads(sys.stdin.buffer.read())
+    deadline = time.monotonic() + float(ask["timeout"]) + 5
+    threading.Thread(target=_exit_when_orphaned, args=(ask["parent"], deadline), daemon=True).start()
+    answer: dict[str, Any]
+    try:
+        with native_stdout_to_stderr():  # MNN prints to fd 1; keep it for the answer
+            profile = _profile_unchanged(Path(ask["path"]), ask["sha256"], ask["runs"], ask["shapes"])
+        answer = {"profile": profile.to_dict()}
+    except ModelFileChanged as exc:
+        answer = {"error": "changed", "message": exc.message}
+    except ProfileError as exc:
+        answer = {"error": "profile", "message": str(exc)}
+    sys.stdout.write(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

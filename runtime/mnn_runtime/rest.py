@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -19,9 +20,10 @@ from .codec import count
 from .dataplane import VERSION_HEADER, DataPlane
 from .errors import BadRequest, InferenceError, PayloadTooLarge
 from .metrics import CONTENT_TYPE, RuntimeMetrics
-from .profile import MAX_RUNS, ProfileError, Profiler
+from .profile import DEFAULT_TIMEOUT, MAX_RUNS, MAX_TIMEOUT, ProfileError, Profiler
 
 JSON = "application/json"
+T = TypeVar("T")
 
 _TENSOR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -118,6 +120,36 @@ def _runs(text: str | None) -> int:
     return runs
 
 
+def _timeout(text: str | None) -> int:
+    """The ``timeout`` query parameter of a profile, seconds: 1..MAX_TIMEOUT, default DEFAULT_TIMEOUT."""
+    if text is None:
+        return DEFAULT_TIMEOUT
+    seconds = count(text)
+    if seconds is None or not 1 <= seconds <= MAX_TIMEOUT:
+        raise BadRequest(f"timeout: {text!r} must be a whole number of seconds from 1 to {MAX_TIMEOUT}")
+    return seconds
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Await ``work`` while the client stays; when it goes away (ASGI ``http.disconnect``), cancel
+    the work and wait for it to wind up. (False, None) when the client left first."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
 class V2Endpoints:
     """One method per OIP v2 REST endpoint."""
 
@@ -177,15 +209,20 @@ class V2Endpoints:
         return _json(result.status, result.body, headers or None)
 
     async def profile(self, request: Request, model_name: str, version: str) -> Response:
-        """Per-operator timing of a loaded version on its own session (an admin call: bearer token)."""
+        """Per-operator timing of a loaded version on its own session, in a child process stopped at
+        ``timeout`` seconds or when the client goes away (an admin call: bearer token)."""
         refused = _gate(request, self.admin_token, "admin", "profiling", ADMIN_TOKEN_ENV)
         if refused is not None:
             return refused
         try:
             runs = _runs(request.query_params.get("runs"))
+            timeout = _timeout(request.query_params.get("timeout"))
             model = self.dataplane.loaded_model(model_name, version)
             shapes = {spec.name: shape for spec, shape in zip(model.inputs, model.warm_shapes)}
-            result = await self.profiler.run(Path(model.path), model.sha256, runs, shapes)
+            stayed, result = await _unless_gone(
+                request, self.profiler.run(Path(model.path), model.sha256, runs, shapes, timeout))
+            if not stayed or result is None:
+                return Response(status_code=499)
         except InferenceError as exc:
             return _error(exc)
         except ProfileError as exc:
@@ -250,7 +287,7 @@ def create_app(dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str |
     )
     app.add_api_route("/v2/models/{model_name}/versions/{version}/profile", ep.profile, methods=["GET"],
                       summary="mnn-rollout extension (admin, bearer token): per-operator timing of a version, "
-                              "?runs=1..1000 (default 10)")
+                              "?runs=1..1000 (default 10), ?timeout=1..600 s (default 60; past it, 504)")
     app.add_api_route("/v2/models/{model_name}/feedback", ep.feedback, methods=["POST"],
                       summary="mnn-rollout extension: outcomes of answered requests, [{id, value}], counted per version")
     app.add_api_route("/metrics", ep.metrics_endpoint, methods=["GET"], include_in_schema=False)
