@@ -19,6 +19,9 @@ import httpx
 from mnn_rollout.contract.config import VersionSpec
 from mnn_rollout.contract.routing import table_digest
 
+# /status's table_digest for a pod whose workers route by different tables (the runtime's WORKERS_DIFFER)
+WORKERS_DIFFER = "workers-differ"
+
 
 @dataclass(frozen=True)
 class PodView:
@@ -106,7 +109,9 @@ class Observation:
             missing = [v for v in routes if not (versions.get(v) or {}).get("ready")
                        and (versions.get(v) or {}).get("state") != "offloaded"]
             served = (pod.status or {}).get("table_digest")
-            if routes != want:
+            if served == WORKERS_DIFFER:
+                off.append(_lagging(pod, routes if routes != want else None))
+            elif routes != want:
                 off.append(f"{pod.name} serves {weights_text(routes)}")
             elif digest is not None and isinstance(served, str) and served != digest:
                 off.append(f"{pod.name} routes by another table of these weights (digest {served}, not {digest})")
@@ -144,6 +149,18 @@ class Observation:
         reason = None if not reasons else reasons[0] + (f" (and {len(reasons) - 1} more pods)" if len(reasons) > 1
                                                           else "")
         return VersionView(spec.name, ready, len(pods), reason, _fallback(pods, spec.name), offloaded)
+
+
+def _lagging(pod: PodView, routes: dict[str, int] | None) -> str:
+    """What a pod whose workers route by different tables says: the workers not on its newest table
+    yet (``lagging_workers``, pids), and the weights they route by when not the ones wanted."""
+    pids = (pod.status or {}).get("lagging_workers")
+    named = [str(p) for p in pids if isinstance(p, int) and not isinstance(p, bool)] if isinstance(pids, list) else []
+    if not named:
+        return f"{pod.name}: its workers route by different tables (the runtime names none lagging)"
+    who = f"worker {named[0]} does" if len(named) == 1 else f"workers {', '.join(named)} do"
+    serve = f"{weights_text(routes)}; " if routes is not None else ""
+    return f"{pod.name}: {who} not route by the pod's newest table yet ({serve}the other workers do)"
 
 
 def weights_text(weights: dict[str, int]) -> str:

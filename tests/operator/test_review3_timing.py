@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_operator import experiment
+from rollout_operator.observe import Observation, PodView
 from rollout_operator.reconcile import Reconciler
 from rollout_operator.rollout import World, decide
 from rollout_operator.spec import parse_spec
@@ -182,3 +183,27 @@ def test_an_experiment_whose_split_no_pod_serves_is_aborted_at_the_progress_dead
     st, events = decide(EXPERIMENT, st, BOTH, None, T0 + 601)
     assert (st.experiment or {}).get("state") == experiment.ABORTED and st.weights == {"v1": 100, "v2": 0}
     assert "ExperimentAborted" in [e.reason for e in events] and "pod-a serves v1:100" in (st.abort_reason or "")
+
+
+# -- a pod whose workers differ -----------------------------------------------------------------
+
+def test_a_pod_whose_workers_differ_names_the_lagging_workers() -> None:
+    """Found in review: a pod whose workers route by different tables (``table_digest:
+    workers-differ``, a lagging worker's weights) was said to route "by another table" (or to serve
+    the lagging worker's weights, as if the whole pod did), without naming the workers; /status
+    names them in ``lagging_workers``."""
+    weights = {"v1": 80, "v2": 20}
+    versions = {v: {"ready": True, "state": "ready"} for v in weights}
+
+    def differing(name: str, lagging_weights: dict[str, int], lagging: Any) -> PodView:
+        return PodView(name, "127.0.0.9", 8080, True, {"weights": lagging_weights, "versions": versions,
+                                                       "table_digest": "workers-differ", "lagging_workers": lagging})
+
+    table = {"weights": weights}
+    same = Observation([differing("pod-a", weights, [4242])]).serving(weights, table)
+    assert same == (False, "pod-a: worker 4242 does not route by the pod's newest table yet (the other workers do)")
+    behind = Observation([differing("pod-a", {"v1": 100}, [4242, 4243])]).serving(weights, table)
+    assert behind == (False, "pod-a: workers 4242, 4243 do not route by the pod's newest table yet (v1:100; "
+                             "the other workers do)")
+    unnamed = Observation([differing("pod-a", weights, None)]).serving(weights, table)
+    assert unnamed == (False, "pod-a: its workers route by different tables (the runtime names none lagging)")
