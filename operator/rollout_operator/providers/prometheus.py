@@ -13,7 +13,7 @@ series over the interval.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
@@ -22,26 +22,37 @@ from ..verdicts import Sample, ShadowSample
 from .base import QUANTILES, SampleContext
 from .direct import is_counter
 
-# One ModelDeployment's series: its model and version, in its namespace and of its pods (the chart's
-# PodMonitor labels each series with both; series without the labels, scraped some other way, match too)
+# One ModelDeployment's series: its model and version, in its namespace and of its pods, as the chart's
+# PodMonitor labels them (OWN); when none of its series carry the labels (a static scrape config), those
+# without them (SELECTOR: labelled or not). Never both: an unlabelled pod's traffic is no labelled object's
+OWN = 'model="{model}",version="{version}",namespace="{namespace}",modeldeployment=~"{name_regex}"'
 SELECTOR = 'model="{model}",version="{version}",namespace=~"{namespace}|",modeldeployment=~"{name_regex}|"'
+LABELLED = 'count({__name__=~"mnn_.+",%s})' % OWN  # any series of the object carrying its labels
+
+
+def scoped(query: Callable[[str], str]) -> str:
+    """``query(selector)`` over the object's own labelled series, or, when it has none, over the
+    series without the labels (one PromQL expression: both read at the same instant)."""
+    return f"(({query(OWN)}) or ({query(SELECTOR)} unless on() {LABELLED}))"
+
+
 QUERIES = {
-    "requests": "sum(increase(mnn_inference_requests_total{%s}[{interval}]))" % SELECTOR,
-    "errors": 'sum(increase(mnn_inference_requests_total{%s,outcome!="success"}[{interval}]))' % SELECTOR,
-    "latency": "histogram_quantile({q}, sum by (le) (rate(mnn_inference_duration_seconds_bucket{%s}[{interval}])))"
-               % SELECTOR,
+    "requests": scoped(lambda s: "sum(increase(mnn_inference_requests_total{%s}[{interval}]))" % s),
+    "errors": scoped(lambda s: 'sum(increase(mnn_inference_requests_total{%s,outcome!="success"}[{interval}]))' % s),
+    "latency": scoped(lambda s: "histogram_quantile({q}, sum by (le) (rate(mnn_inference_duration_seconds_bucket"
+                                "{%s}[{interval}])))" % s),
 }
 SHADOW_QUERIES = {
-    "runs": 'sum(increase(mnn_shadow_requests_total{%s,outcome=~"compared|error"}[{interval}]))' % SELECTOR,
-    "errors": 'sum(increase(mnn_shadow_requests_total{%s,outcome="error"}[{interval}]))' % SELECTOR,
-    "rows": "sum(increase(mnn_shadow_rows_total{%s}[{interval}]))" % SELECTOR,
-    "agreeing": "sum(increase(mnn_shadow_agreeing_rows_total{%s}[{interval}]))" % SELECTOR,
-    "diff_sum": "sum(increase(mnn_shadow_abs_diff_sum{%s}[{interval}]))" % SELECTOR,
-    "diff_count": "sum(increase(mnn_shadow_abs_diff_count{%s}[{interval}]))" % SELECTOR,
-    "latency": "histogram_quantile({q}, sum by (le) (rate(mnn_shadow_duration_seconds_bucket{%s}[{interval}])))"
-               % SELECTOR,
-    "stable_latency": "histogram_quantile({q}, sum by (le) (rate(mnn_shadow_stable_duration_seconds_bucket{%s}"
-                      "[{interval}])))" % SELECTOR,
+    "runs": scoped(lambda s: 'sum(increase(mnn_shadow_requests_total{%s,outcome=~"compared|error"}[{interval}]))' % s),
+    "errors": scoped(lambda s: 'sum(increase(mnn_shadow_requests_total{%s,outcome="error"}[{interval}]))' % s),
+    "rows": scoped(lambda s: "sum(increase(mnn_shadow_rows_total{%s}[{interval}]))" % s),
+    "agreeing": scoped(lambda s: "sum(increase(mnn_shadow_agreeing_rows_total{%s}[{interval}]))" % s),
+    "diff_sum": scoped(lambda s: "sum(increase(mnn_shadow_abs_diff_sum{%s}[{interval}]))" % s),
+    "diff_count": scoped(lambda s: "sum(increase(mnn_shadow_abs_diff_count{%s}[{interval}]))" % s),
+    "latency": scoped(lambda s: "histogram_quantile({q}, sum by (le) (rate(mnn_shadow_duration_seconds_bucket"
+                                "{%s}[{interval}])))" % s),
+    "stable_latency": scoped(lambda s: "histogram_quantile({q}, sum by (le) (rate("
+                                       "mnn_shadow_stable_duration_seconds_bucket{%s}[{interval}])))" % s),
 }
 MIN_WINDOW_SECONDS = 10  # rate() needs several scrapes in its window
 
@@ -138,9 +149,9 @@ class PrometheusProvider:
             if span < MIN_WINDOW_SECONDS:
                 out[m.name] = {role: None for role in m.role_series()}
                 continue
-            selector = _fill(SELECTOR, values)
-            out[m.name] = {role: self.query(f"sum(increase({series.promql(selector)}[{int(span)}s]))", at)
-                           for role, series in m.role_series().items()}
+            out[m.name] = {role: self.query(_fill(scoped(
+                lambda s: f"sum(increase({series.promql(s)}[{int(span)}s]))"), values), at)  # noqa: B023
+                for role, series in m.role_series().items()}
         return out
 
     def _shadow(self, metrics: Sequence[MetricSpec], values: Mapping[str, str], at: float) -> ShadowSample:
@@ -172,9 +183,14 @@ def custom_query(metric: MetricSpec) -> str:
     if metric.query:
         return metric.query
     assert metric.metric is not None
-    matchers = ",".join([SELECTOR] + [f'{k}="{v}"' for k, v in sorted(metric.labels.items())])
-    series = f"{metric.metric}{{{matchers}}}"
-    value = f"sum(increase({series}[{{interval}}]))" if is_counter(metric.metric) else f"sum({series})"
+    name = metric.metric
+
+    matchers = [f'{k}="{v}"' for k, v in sorted(metric.labels.items())]
+
+    def series(selector: str) -> str:
+        return f"{name}{{{','.join([selector, *matchers])}}}"
+
+    value = scoped(lambda s: f"sum(increase({series(s)}[{{interval}}]))" if is_counter(name) else f"sum({series(s)})")
     if metric.per_request:
         value = f"({value}) / {QUERIES['requests']}"
     return value
