@@ -74,6 +74,8 @@ def parse_payload(body: bytes) -> list[dict[str, Any]]:
             raise PayloadError(f"alerts[{i}].labels: required, an object")
         if alert.get("status") not in ("firing", "resolved"):
             raise PayloadError(f"alerts[{i}].status: {alert.get('status')!r} is not firing or resolved")
+        if not isinstance(alert.get("startsAt"), str) or _start(alert["startsAt"]) is None:  # part of its mark
+            raise PayloadError(f"alerts[{i}].startsAt: {alert.get('startsAt')!r} is not an RFC 3339 time")
     return alerts
 
 
@@ -142,7 +144,7 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
         alertname = labels.get("alertname", "alert")
         # '@' and ';' separate a mark's parts and the marks: kept out of the name. One rule fires an
         # alert per label set (per pod, per route): each is its own mark, named by its labels' hash
-        prefix = (f"{alertname.replace('@', '_').replace(ALERT_MARK_SEPARATOR, '_')}@{alert.get('startsAt', '')}@"
+        prefix = (f"{alertname.replace('@', '_').replace(ALERT_MARK_SEPARATOR, '_')}@{alert['startsAt']}@"
                   f"{instance(labels)}@")
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
@@ -189,7 +191,8 @@ def _resolve(marks: list[str], prefix: str) -> list[str]:
     return kept if kept == marks else [*(m for m in kept if m != prefix), prefix]
 
 
-START = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", re.IGNORECASE)
+START = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)",
+                   re.IGNORECASE | re.ASCII)
 
 
 def _start(text: str) -> tuple[int, int] | None:

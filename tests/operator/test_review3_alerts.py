@@ -142,3 +142,16 @@ def test_behind_a_real_alertmanager_an_alert_firing_again_after_its_resolve_mark
     again, _ = wait_for_mark(kube, 30, "CanaryErrors@")
     assert again.split("@")[1] > first.split("@")[1] and again.split("@")[2:] == first.split("@")[2:]
     assert resolved(kube) is None
+
+
+def test_a_starts_at_that_is_not_a_time_gets_400_naming_it_and_marks_nothing(
+        emu: EmulatorProcess, kube: KubeClient, scorer: dict[str, Any], webhook: AlertWebhook) -> None:
+    """Found in review: startsAt went into the mark unchecked. ``...Z;x`` split the mark at the ``;``
+    into ``CanaryErrors@...Z`` (no versions: rolls back every later canary, whatever its version) and
+    ``x@<instance>@v2``, and the alert's resolve, looking for the whole mark, took neither off."""
+    writes = md_writes(emu)
+    for starts_at in ("2025-01-02T03:04:05Z;x", "2025-01-02T03:04:05@Z", "yesterday", 5, None):
+        resp = post(webhook, payload({**alert(LABELS), "startsAt": starts_at}))
+        assert resp.status_code == 400, (starts_at, resp.text)
+        assert resp.json() == {"error": f"alerts[0].startsAt: {starts_at!r} is not an RFC 3339 time"}
+    assert md_writes(emu) == writes and mark(kube) is None
