@@ -43,6 +43,13 @@ def next_due(spec: ModelDeploymentSpec, status: RolloutStatus) -> float | None:
     return (last or 0.0) + spec.strategy.analysis.interval_seconds
 
 
+def counted_since(status: RolloutStatus) -> float | None:
+    """Where a step's counts begin for the providers that read a window (Prometheus's, and the
+    per-step counts of ``compare: stable`` metrics): when every pod was seen serving the step's
+    weights (``stepServedAt``), else when they were written, while no pod has been seen taking them."""
+    return status.step_served_at if status.step_served_at is not None else status.step_started_at
+
+
 class Analyzer:
     def __init__(self, factory: ProviderFactory) -> None:
         self.factory = factory
@@ -68,7 +75,7 @@ class Analyzer:
             key=f"{meta['uid']}@{status.rollout_started_at}", namespace=meta["namespace"], name=meta["name"],
             model=spec.model_name(meta["name"]), versions=versions, interval_seconds=analysis.interval_seconds,
             metrics=metrics, pod_urls=tuple(p.url for p in observation.pods if p.ip), shadow=shadow,
-            since=status.step_started_at, tracked=analysis.metrics,
+            since=counted_since(status), tracked=analysis.metrics,
         )
         try:
             samples = self.factory.get(analysis.provider, meta["namespace"]).sample(ctx)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_operator import experiment
+from rollout_operator.analyzer import counted_since
 from rollout_operator.observe import Observation, PodView
 from rollout_operator.reconcile import Reconciler
 from rollout_operator.rollout import World, decide
@@ -82,6 +83,17 @@ def test_a_step_served_late_advances_only_a_pause_after_the_pods_serve_its_weigh
     st = at(ports, rec, clock, T0 + 55, looks)  # 30s served and a pass measured on them: next step
     assert st.current_step == 1 and st.weights == {"v1": 50, "v2": 50} and st.step_served_at is None
 
+
+
+def test_the_providers_count_a_step_from_when_its_weights_are_served(tmp_path: Path) -> None:
+    """Prometheus's window and the per-step counts of compare: stable metrics began at the write
+    (``SampleContext.since``), so they took in traffic routed by the previous weights."""
+    ports, rec, looks, clock = late_pods(tmp_path, SLOW)
+    assert counted_since(at(ports, rec, clock, T0 + 10, looks)) == T0  # not served yet: from the write
+    ports.applied = True
+    at(ports, rec, clock, T0 + 25)
+    st = at(ports, rec, clock, T0 + 26)
+    assert st.step_served_at == T0 + 25 and counted_since(st) == T0 + 25
 
 def test_a_step_never_served_still_fails_at_the_progress_deadline_from_the_write(tmp_path: Path) -> None:
     ports, rec, looks, clock = late_pods(tmp_path, SLOW)
