@@ -20,7 +20,10 @@ Replaced, because they could not be fixed by small overrides:
   server-side apply and ``metadata.managedFields`` (``store.py``, ``patching.py``),
   CRD schemas (``schema.py``: pruning, defaulting, validation), the quantities of built-in kinds
   (``quantity.py``: parsed, stored in canonical form, ``1024Mi`` as ``1Gi``), the server's own validation of
-  metadata and of the built-in kinds the operator writes (``validation.py``), protobuf bodies of a few core kinds
+  metadata and of the built-in kinds the operator writes (``validation.py``), the API server's defaults of those
+  kinds (``defaults.py``: a Deployment's strategy and pod template, a Service's ports and cluster IP, ...) and
+  their unknown fields (dropped with a ``Warning`` header, or refused with ``fieldValidation=Strict``; an apply
+  that has one fails, ``schema.py``, ``store.py``), protobuf bodies of a few core kinds
   (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
 
 Server-side apply: ``PATCH`` with ``application/apply-patch+yaml`` (a YAML or JSON body) and the
@@ -264,6 +267,22 @@ class Emulator(kmock.KubernetesEmulator):
     async def _serve_resource(self, request: rendering.Request, raw: aiohttp.web.BaseRequest, rd: ResourceDef,
                               namespace: str | None, name: str | None, sub: str | None,
                               method: str) -> aiohttp.web.StreamResponse:
+        """A write carries its fieldValidation to the store and answers with its warnings."""
+        options = {'POST': 'CreateOptions', 'PUT': 'UpdateOptions', 'PATCH': 'PatchOptions'}.get(method)
+        if options is None:
+            return await self._serve_object(request, raw, rd, namespace, name, sub, method)
+        self.store.begin_write(request.params.get('fieldValidation'), options)
+        try:
+            response = await self._serve_object(request, raw, rd, namespace, name, sub, method)
+        finally:
+            warnings = self.store.end_write()
+        for warning in warnings:
+            response.headers.add('Warning', warning)
+        return response
+
+    async def _serve_object(self, request: rendering.Request, raw: aiohttp.web.BaseRequest, rd: ResourceDef,
+                            namespace: str | None, name: str | None, sub: str | None,
+                            method: str) -> aiohttp.web.StreamResponse:
         q = request.params
         dry_run = q.get('dryRun') == 'All'
         as_table = tables.wants_table(raw.headers.get('Accept'))

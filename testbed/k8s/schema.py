@@ -9,6 +9,7 @@ validation ratcheting. A write that fails validation is a 422 Invalid, with caus
 """
 import copy
 import functools
+import json
 import re
 from typing import Any
 
@@ -193,8 +194,9 @@ def _validate(value: Any, schema: dict[str, Any], path: str, errors: list[tuple[
 
 
 # Built-in kinds whose writes are checked against the upstream OpenAPI schema, as an API server
-# does (unknown fields are dropped by a server, not refused: strict=False). Pods are left out: the
-# kubelet stand-in writes them often, and the operator never does.
+# does; their unknown fields are dropped (``unknown_fields``; store.py warns about them or refuses
+# them as the request's fieldValidation asks). Pods are left out: the kubelet stand-in writes them
+# often, and the operator never does.
 BUILTIN_VALIDATED = {'ConfigMap', 'Service', 'ServiceAccount', 'Deployment', 'Role', 'RoleBinding',
                      'PodDisruptionBudget', 'HorizontalPodAutoscaler'}
 KUBERNETES_VERSION = '1.30'
@@ -215,19 +217,82 @@ def validate_builtin(obj: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_validator(api_version: str, kind: str) -> Any:
-    """kubernetes-validate's schema of one kind, read and compiled once (its ``validate`` parses
-    the JSON files on every call: most of the emulator's CPU under a burst of writes)."""
-    import jsonschema
+def _builtin_schema(api_version: str, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """kubernetes-validate's schema of one kind and the definitions it refers to, read once."""
     from kubernetes_validate import utils
-    from referencing import Registry, Resource
 
     wanted = utils.major_minor(KUBERNETES_VERSION)
     version = [v for v in utils.all_versions() if utils.major_minor(v) <= wanted][-1]
     folder = f'kubernetes-json-schema/v{version}-local'
     group = re.sub(r'^([^./]*)(?:\.[^/]*)?/', r'\1-', api_version)
     schema = utils.schema_contents(f'{folder}/{kind.lower()}-{group}.json', KUBERNETES_VERSION)
-    definitions = utils.schema_contents(f'{folder}/_definitions.json', KUBERNETES_VERSION)
+    return schema, utils.schema_contents(f'{folder}/_definitions.json', KUBERNETES_VERSION)
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_validator(api_version: str, kind: str) -> Any:
+    """The schema of one kind, compiled once (kubernetes-validate's ``validate`` parses the JSON
+    files on every call: most of the emulator's CPU under a burst of writes)."""
+    import jsonschema
+    from referencing import Registry, Resource
+
+    schema, definitions = _builtin_schema(api_version, kind)
     registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
     return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
+Path = list[str | int]
+
+
+def unknown_fields(obj: dict[str, Any], prune: bool = False) -> list[Path]:
+    """The fields of a built-in kind (``BUILTIN_VALIDATED``) that its schema does not declare, as
+    paths (keys and list indexes); with ``prune``, removed from ``obj`` as a server's decoding
+    drops them. Values of the wrong type are left to the validation."""
+    if obj.get('kind') not in BUILTIN_VALIDATED:
+        return []
+    schema, definitions = _builtin_schema(str(obj.get('apiVersion', '')), str(obj['kind']))
+    found: list[Path] = []
+    _unknown(obj, schema, definitions['$defs'], [], found, prune)
+    return found
+
+
+def _unknown(value: Any, node: dict[str, Any], defs: dict[str, Any], path: Path, found: list[Path],
+             prune: bool) -> None:
+    while '$ref' in node:
+        node = defs[node['$ref'].rsplit('/', 1)[-1]]
+    props, addl = node.get('properties'), node.get('additionalProperties')
+    if isinstance(value, dict) and (props is not None or isinstance(addl, dict)):
+        for key in list(value):
+            sub = (props or {}).get(key, addl)
+            if isinstance(sub, dict):
+                _unknown(value[key], sub, defs, [*path, key], found, prune)
+            elif not node.get('x-kubernetes-preserve-unknown-fields'):
+                found.append([*path, key])
+                if prune:
+                    del value[key]
+    elif isinstance(value, list) and isinstance(node.get('items'), dict):
+        for n, item in enumerate(value):
+            _unknown(item, node['items'], defs, [*path, n], found, prune)
+
+
+def json_path(path: Path) -> str:
+    """``spec.template.spec.containers[0].foo``, as a server's strict decoding names a field."""
+    return ''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in path).lstrip('.')
+
+
+def typed_path(obj: Any, path: Path, merge_keys: dict[str, str]) -> str:
+    """``.spec.template.spec.containers[name="app"].foo``, as server-side apply names a field: an
+    item of a list merged by key by its key (``merge_keys``: list field -> key), else by index."""
+    out, parent = '', ''
+    for part in path:
+        if isinstance(part, int):
+            item = obj[part] if isinstance(obj, list) else None
+            key = merge_keys.get(parent, '')
+            value = item.get(key) if isinstance(item, dict) and key else None
+            out += f'[{key}={json.dumps(value)}]' if value is not None else f'[{part}]'
+            obj = item
+        else:
+            out += f'.{part}'
+            obj, parent = obj.get(part) if isinstance(obj, dict) else None, part
+    return out
 

@@ -11,11 +11,12 @@ import collections
 import copy
 import dataclasses
 import datetime
+import json
 import random
 import uuid
 from typing import Any, Callable
 
-from . import patching, quantity, schema, validation
+from . import defaults, patching, quantity, schema, validation
 from .index import Key, Objects
 from .errors import ApiError
 from .lifecycle import Lifecycle
@@ -23,6 +24,7 @@ from .resources import Registry, ResourceDef
 
 INITIAL_NAMESPACES = ('default', 'kube-system', 'kube-public', 'kube-node-lease')
 DEFAULT_MANAGER = 'emulator'  # the field manager of writes made inside the emulator (GC, namespace controller)
+FIELD_VALIDATIONS = ('Ignore', 'Warn', 'Strict')
 _META_KEYS = {'name', 'generateName', 'namespace', 'uid', 'resourceVersion', 'generation', 'creationTimestamp',
               'deletionTimestamp', 'deletionGracePeriodSeconds', 'labels', 'annotations', 'ownerReferences',
               'finalizers', 'managedFields', 'selfLink'}
@@ -54,6 +56,10 @@ class Store(Lifecycle):
         self.closed = False  # set at shutdown: open watches end
         self.watch_epoch = 0  # raised to cut every open watch stream (a dropped connection)
         self.schedule: Callable[[float, Callable[[], None]], None] | None = None  # set by the server
+        # Of the API write being served (begin_write/end_write; every write is synchronous): its
+        # fieldValidation, and the Warning headers of its answer.
+        self.field_validation = 'Warn'
+        self.warnings: list[str] = []
         for name in INITIAL_NAMESPACES:
             self.create(self.rd('', 'v1', 'namespaces'), None, {'metadata': {'name': name}})
 
@@ -108,6 +114,47 @@ class Store(Lifecycle):
 
     # --- validation ------------------------------------------------------------------------------
 
+    def begin_write(self, field_validation: str | None, options: str) -> None:
+        """An API write starts: ``field_validation`` as the request asks (None: Warn, the default)."""
+        if field_validation and field_validation not in FIELD_VALIDATIONS:
+            raise ApiError.invalid(f'{options}.meta.k8s.io', '', [('fieldValidation', (
+                f'Unsupported value: "{field_validation}": supported values: "", "Ignore", "Strict", "Warn"'))])
+        self.field_validation, self.warnings = field_validation or 'Warn', []
+
+    def end_write(self) -> list[str]:
+        """The Warning headers of the write that ends (each ``299 - "<text>"``)."""
+        warnings, self.field_validation, self.warnings = self.warnings, 'Warn', []
+        return [f'299 - {json.dumps(w)}' for w in dict.fromkeys(warnings)]
+
+    def _check_unknown(self, rd: ResourceDef, obj: dict[str, Any], operation: str) -> None:
+        """Unknown fields of a built-in kind in a write, as a real server (1.30) handles them: an
+        apply fails (500, like the server's typed conversion of the applied configuration, whatever
+        fieldValidation); otherwise they are dropped (``_prepare``) with a warning each (Warn),
+        silently (Ignore), or the write is refused (Strict: 400 for a create or update, 422 naming
+        ``patch`` for a patch)."""
+        if rd.custom:
+            return
+        body = {**obj, 'apiVersion': rd.api_version, 'kind': rd.kind}
+        found = schema.unknown_fields(body)
+        if not found:
+            return
+        if operation == 'apply':
+            meta = obj.get('metadata') or {}
+            name = '/'.join(filter(None, (meta.get('namespace'), meta.get('name'))))
+            errors = [f'{schema.typed_path(body, p, patching.MERGE_KEYS)}: field not declared in schema' for p in found]
+            text = errors[0] if len(errors) == 1 else 'errors:\n' + '\n'.join(f'  {e}' for e in errors)
+            raise ApiError(500, 'InternalError', f'failed to create typed patch object ({name}; '
+                                                 f'{rd.group}/{rd.version}, Kind={rd.kind}): {text}')
+        fields = [f'unknown field "{schema.json_path(p)}"' for p in found]
+        if self.field_validation == 'Warn':
+            self.warnings += fields
+        elif self.field_validation == 'Strict' and operation == 'patch':
+            raise ApiError.invalid('', '', [('patch', f'Invalid value: {json.dumps(json.dumps(obj))}: strict '
+                                                      f'decoding error: {", ".join(fields)}')])
+        elif self.field_validation == 'Strict':
+            raise ApiError.bad_request(f'{rd.kind} in version "{rd.version}" cannot be handled as a {rd.kind}: '
+                                       f'strict decoding error: {", ".join(fields)}')
+
     def _validate_meta(self, rd: ResourceDef, obj: dict[str, Any], old: dict[str, Any] | None = None) -> None:
         meta = obj['metadata']
         name = meta.get('name', '')
@@ -132,8 +179,10 @@ class Store(Lifecycle):
         obj['metadata'].pop('selfLink', None)
         if rd.custom:
             obj = schema.prune_and_default(obj, rd.schema)
-        else:
-            quantity.canonicalize(obj)  # decoded and stored as the server does: 1024Mi is 1Gi
+        else:  # decoded and stored as the server does: unknown fields dropped, defaults, 1024Mi is 1Gi
+            schema.unknown_fields(obj, prune=True)
+            defaults.apply(obj)
+            quantity.canonicalize(obj)
         self._validate_meta(rd, obj, old)
         return obj
 
@@ -147,6 +196,8 @@ class Store(Lifecycle):
             raise ApiError.bad_request('the request body must be a JSON object')
         obj = copy.deepcopy(body)
         self._check_type(rd, obj)
+        if applied is None:
+            self._check_unknown(rd, obj, 'create')
         meta = obj.setdefault('metadata', {})
         if not isinstance(meta, dict):
             raise ApiError.bad_request('metadata must be an object')
@@ -227,6 +278,9 @@ class Store(Lifecycle):
             obj['status'] = {**(obj.get('status') or {}), 'phase': phase}
         if (rd.group, rd.plural) == ('apiextensions.k8s.io', 'customresourcedefinitions'):
             self._admit_crd(obj)
+        if (rd.group, rd.plural) == ('', 'services') and isinstance(obj.get('spec'), dict):
+            used = {str((o.get('spec') or {}).get('clusterIP')) for _, o in self.objects.of('', 'services')}
+            defaults.service_addresses(obj['spec'], (old or {}).get('spec'), used)
         if (rd.group, rd.plural) == ('', 'secrets'):
             if not obj.get('type'):
                 obj['type'] = 'Opaque'
@@ -290,6 +344,7 @@ class Store(Lifecycle):
         if rd.custom and not meta.get('resourceVersion'):  # custom resources allow no unconditional PUT
             raise ApiError.invalid(rd.kind_group, name, [('metadata.resourceVersion',
                                                           'Invalid value: 0x0: must be specified for an update')])
+        self._check_unknown(rd, body, 'update')
         return self._replace(rd, old, copy.deepcopy(body), subresource, dry_run, manager)
 
     def patch(self, rd: ResourceDef, namespace: str | None, name: str, content_type: str, patch: Any,
@@ -304,6 +359,7 @@ class Store(Lifecycle):
         if not meta.get('resourceVersion'):
             meta['resourceVersion'] = old['metadata']['resourceVersion']
         self._check_type(rd, patched)
+        self._check_unknown(rd, patched, 'patch')
         return self._replace(rd, old, patched, subresource, dry_run, manager)
 
     def _replace(self, rd: ResourceDef, old: dict[str, Any], new: dict[str, Any], subresource: str | None,
@@ -408,6 +464,7 @@ class Store(Lifecycle):
             raise ApiError.bad_request('metadata must be an object')
         self._check_url_identity(rd, meta, namespace, name)
         applied = _without_nulls(body)
+        self._check_unknown(rd, {**applied, 'metadata': {**meta, 'name': name, 'namespace': namespace}}, 'apply')
         if not rd.custom:
             quantity.canonicalize(applied)  # owned and compared as stored
         scope = self._scope(rd, subresource)

@@ -92,7 +92,7 @@ def test_server_side_apply_drops_a_field_its_only_manager_stops_applying(owners:
     deployment = rendered({"runtime": {"replicas": 3}}, owners["scorer"])["Deployment"]
     assert kube.apply(deployment)["spec"]["replicas"] == 3
     without = rendered({"runtime": {"replicas": 3, "autoscaling": IN_FLIGHT}}, owners["scorer"])["Deployment"]
-    assert "replicas" not in kube.apply(without)["spec"]
+    assert kube.apply(without)["spec"]["replicas"] == 1  # removed, then defaulted
 
 
 def test_switching_to_autoscaling_keeps_the_replicas_and_leaves_them_to_the_hpa(
@@ -175,7 +175,7 @@ def test_an_autoscaled_model_deployment_leaves_replicas_to_its_hpa_until_autosca
     assert created["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                                  "name": "scorer-runtime"}
     assert created["spec"]["metrics"][0]["pods"]["metric"]["name"] == "mnn_inference_in_flight_requests"
-    assert "replicas" not in deployment(cluster)["spec"]  # the API's default: one pod until the HPA scales
+    assert deployment(cluster)["spec"]["replicas"] == 1  # the API's default: one pod until the HPA scales
     cluster.wait_ready(replicas=1)
     wait_for(lambda: cluster.status().get("phase") == "Ready" and cluster.condition("Ready")["status"] == "True",
              60, "phase Ready with one pod")
