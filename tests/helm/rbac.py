@@ -194,7 +194,12 @@ def watched_by_handlers() -> set[tuple[str, str]]:
     registry = kopf.get_default_registry()
     out = set()
     for part in (registry._watching, registry._spawning, registry._changing, registry._indexing):
-        for selector in part.get_all_selectors():
+        # the operator's own: a test's operator run in the same process may have left its handlers
+        for handler in part.get_all_handlers():
+            if not handler.fn.__module__.startswith("rollout_operator."):
+                continue
+            selector = handler.selector
+            assert selector is not None, handler
             plural = selector.plural or selector.any_name
             assert selector.group is not None and plural, selector
             out.add((selector.group, plural))
