@@ -32,8 +32,8 @@ from .registry import FAILED, PENDING, Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
 from .workers_channel import (ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION,
-                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, config_text, routing_of,
-                              send_message)
+                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, config_text, receive,
+                              routing_of, send_message)
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                data, fds, flags, _ = socket.recv_fds(self.channel, MAX_CONFIG_BYTES, 64)
+                data, fds, flags = receive(self.channel)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:

@@ -19,6 +19,7 @@ worker's ``/status`` reports instead of its own routing alone.
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import mmap
@@ -58,6 +59,20 @@ def send_connection(channel: socket.socket, conn: socket.socket, kind: bytes = C
     """Send ``conn`` (for the server ``kind`` names) over a worker's channel; OSError when the
     worker died or stopped reading."""
     socket.send_fds(channel, [kind], [conn.fileno()])
+
+
+def receive(channel: socket.socket) -> tuple[bytes, list[int], int]:
+    """One message from the channel: (its bytes, the descriptors sent with it, recvmsg's flags). The
+    descriptors are close-on-exec: a child the worker starts (a profile's) must not hold its
+    connections open after the worker closed them. (Python 3.11's ``socket.recv_fds`` drops the
+    flag ``MSG_CMSG_CLOEXEC`` that does this.)"""
+    fds = array.array("i")
+    data, ancillary, flags, _ = channel.recvmsg(MAX_CONFIG_BYTES, socket.CMSG_LEN(64 * fds.itemsize),
+                                                socket.MSG_CMSG_CLOEXEC)
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(raw[:len(raw) - len(raw) % fds.itemsize])
+    return data, list(fds), flags
 
 
 def send_config(pid: int, channel: socket.socket, text: bytes, quiet: bool = False) -> bool:
