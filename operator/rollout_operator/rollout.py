@@ -382,8 +382,10 @@ def _record(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | N
 def _advance(spec: ModelDeploymentSpec, st: RolloutStatus, analysis: Analysis | None, world: World,
              now: float, events: list[Event]) -> RolloutStatus:
     step = _step(spec, st)
-    waited = now - (st.step_started_at or now)  # since the write: the progress deadline
     served = st.step_served_at
+    # the progress deadline: from the write while no pod serves the step's weights, then from when every
+    # pod does (counted from the write, a step whose pause fits the deadline failed when served late)
+    waited = now - (served if served is not None else st.step_started_at or now)
     checked_at = epoch(st.analysis.get("checkedAt")) or 0.0
     measured_from = epoch(st.analysis.get("windowFrom"))
     if measured_from is None:  # recorded by an earlier operator
