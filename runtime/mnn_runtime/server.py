@@ -31,9 +31,9 @@ from .metrics import RuntimeMetrics
 from .registry import FAILED, PENDING, Registry, next_table, same_file
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
-from .workers_channel import (ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION, GRPC_CONNECTION,
-                              MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, config_text, receive,
-                              routing_of, send_message)
+from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION,
+                              GRPC_CONNECTION, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, config_text,
+                              receive, routing_of, send_message)
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -260,6 +260,7 @@ class _Server(uvicorn.Server):
         self.retire_grace = retire_grace
         self.grpc: GrpcServer | None = None  # serve --grpc-port: its connections come over ``channel`` too
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._config_lost = False  # a config came without its file (no descriptor left): asked again
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if sig == signal.SIGTERM and self._loop is not None and not self.should_exit:
@@ -287,8 +288,10 @@ class _Server(uvicorn.Server):
     def _alive(self) -> None:
         """Tell the supervisor this worker's loop runs, now and every ALIVE_SECONDS (a loop stuck
         in a forward says nothing: the supervisor then replaces this worker)."""
-        assert self._loop is not None
+        assert self._loop is not None and self.channel is not None
         self._tell()
+        if self._config_lost:  # once a second at most: while it has no descriptor, it loses it again
+            self._config_lost = not send_message(os.getpid(), self.channel, AGAIN_MESSAGE, quiet=True)
         self._loop.call_later(ALIVE_SECONDS, self._alive)
 
     def _tell(self) -> None:
@@ -320,8 +323,10 @@ class _Server(uvicorn.Server):
                 if flags & socket.MSG_TRUNC:
                     log.error("a config from the supervisor was over %d bytes and is ignored", MAX_CONFIG_BYTES)
                 elif flags & socket.MSG_CTRUNC:
-                    log.error("a config from the supervisor was lost: no file descriptor left")
+                    log.error("a config from the supervisor was lost: no file descriptor left; asking again")
+                    self._config_lost = True
                 elif self.on_config is not None and text is not None:
+                    self._config_lost = False  # this one is newer than any lost before it
                     self.on_config(text)
                     self._tell()  # at once: the pod's status waits for every worker's word
                 continue

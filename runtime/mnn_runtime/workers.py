@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from . import engine
-from .workers_channel import (ALIVE_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE, PodRouting, send_config,
-                              send_connection, send_message)
+from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE, PodRouting,
+                              send_config, send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class Supervisor(WorkerPool):
 
     def _from_worker(self, pid: int, channel: socket.socket) -> None:
         """What a worker wrote back: that it is alive and what it routes by, the versions it loaded
-        again for a request (the next ``_apply_pending`` loads them here too)."""
+        again for a request (the next ``_apply_pending`` loads them here too), a config it lost."""
         while True:
             try:
                 data = channel.recv(65536, socket.MSG_DONTWAIT)
@@ -223,6 +223,8 @@ class Supervisor(WorkerPool):
             elif data.startswith(RELOAD_MESSAGE):
                 self._reloads.add(data[len(RELOAD_MESSAGE):].decode(errors="replace"))
                 self._wake()
+            elif data == AGAIN_MESSAGE and self._config_text:  # sent again by the next _forward_pending
+                self._missed.add(pid)
 
     def _said(self, pid: int, routing: bytes) -> None:
         """Worker ``pid`` routes by this (``workers_channel.routing_of``)."""

@@ -8,13 +8,14 @@ the supervisor sends it either an accepted connection (one byte saying which ser
 it fits in ``MAX_CONFIG_BYTES``, else ``CONFIG_MESSAGE`` alone with, as SCM_RIGHTS, an in-memory
 file holding it: ``send_config``, read by ``config_text``), or the versions to unload
 (``OFFLOAD_MESSAGE`` then their names, comma-separated). The worker's end is read by the worker's
-HTTP server (``server._Server._receive``). A worker writes back two kinds of message: a version it
-loaded again for a request (``RELOAD_MESSAGE`` then its name), so that the supervisor loads it too
-and forks workers that share it (``workers.Supervisor``); and ``ALIVE_MESSAGE`` then what it
-routes by (``routing_of``), every ``ALIVE_SECONDS`` from its event loop (by which the supervisor tells
-a worker whose loop is stuck) and at once after each config it applied. From those the supervisor
-writes what the whole pod routes by into ``PodRouting``, memory shared with every worker, which a
-worker's ``/status`` reports instead of its own routing alone.
+HTTP server (``server._Server._receive``). A worker writes back three kinds of message: a version
+it loaded again for a request (``RELOAD_MESSAGE`` then its name), so that the supervisor loads it
+too and forks workers that share it (``workers.Supervisor``); ``AGAIN_MESSAGE``: a config reached
+it without its file (it had no descriptor left), the supervisor sends the newest again; and
+``ALIVE_MESSAGE`` then what it routes by (``routing_of``), every ``ALIVE_SECONDS`` from its event
+loop (by which the supervisor tells a worker whose loop is stuck) and at once after each config it
+applied. From those the supervisor writes what the whole pod routes by into ``PodRouting``, memory
+shared with every worker, which a worker's ``/status`` reports instead of its own routing alone.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 CONFIG_MESSAGE = b"config\n"  # a config from the supervisor to a worker: this, then its YAML
 OFFLOAD_MESSAGE = b"offload\n"  # supervisor -> worker: unload these versions (names, comma-separated)
 RELOAD_MESSAGE = b"reload\n"  # worker -> supervisor: this version was loaded again for a request
+AGAIN_MESSAGE = b"again\n"  # worker -> supervisor: a config came without its file; send it again
 ALIVE_MESSAGE = b"alive\n"  # worker -> supervisor: its loop runs; then what it routes by (routing_of)
 ALIVE_SECONDS = 1.0
 CONNECTION = b"c"  # supervisor -> worker: an accepted HTTP connection (its descriptor beside)

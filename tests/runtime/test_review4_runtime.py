@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+
+from mnn_rollout.local.net import write_atomic
+from mnn_runtime.dataplane import WORKERS_DIFFER
 
 from tests.runtime.test_profile import TOKEN
 from tests.runtime.test_review3_profile import gone
@@ -97,3 +102,57 @@ def test_a_connection_a_worker_closes_while_it_profiles_is_closed(workers: Runti
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_large_config_a_worker_out_of_descriptors_lost_reaches_it_later(model_dir: Path, tmp_path: Path) -> None:
+    """A config over one channel message travels as a memfd; a worker at its limit of open files
+    gets the message without it (MSG_CTRUNC): "a config from the supervisor was lost", and nothing
+    sent it again, so that worker routed by the old weights for ever (the pod's /status
+    workers-differ) once it had descriptors again. Now it asks again, once a second, until it has it."""
+    padded = "./" * 1000 + "v1.mnn"  # the same small file, under a long uri: ~310 KB of YAML
+    versions = [{"name": "v1", "uri": "v1.mnn"}] + [{"name": f"x{i}", "uri": padded} for i in range(150)]
+    config = {"model": "scorer", "stable": "v1", "weights": {"v1": 100}, "versions": versions}
+    path = model_dir / "big.yaml"
+    write_atomic(path, yaml.safe_dump(config))
+    server = RuntimeServer(path, tmp_path / "server.log", extra_args=["--workers", "2"])
+    server.start()
+    try:
+        all_serving(server, server.log_path)
+        assert server.proc is not None
+        worker = children(server.proc.pid)[0]
+        limit = len(os.listdir(f"/proc/{worker}/fd")) + 2
+        soft, hard = resource.prlimit(worker, resource.RLIMIT_NOFILE)
+        resource.prlimit(worker, resource.RLIMIT_NOFILE, (limit, hard))
+        held = []
+        try:
+            while True:  # connections kept alive until one is dropped: the worker is out of descriptors
+                assert len(held) < 100, server.log()
+                sock = socket.create_connection((server.host, server.port), timeout=5)
+                held.append(sock)
+                sock.sendall(request("/v2/health/live"))
+                try:
+                    if not sock.recv(4096):
+                        break
+                except ConnectionResetError:
+                    break
+            assert "a connection from the supervisor was dropped" in server.log()
+            config["weights"] = {"v1": 60, "x7": 40}
+            write_atomic(path, yaml.safe_dump(config))
+            deadline = time.monotonic() + 20
+            while "a config from the supervisor was lost" not in server.log():
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.05)
+        finally:
+            for sock in held:
+                sock.close()
+        resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))  # descriptors again
+        wanted = {"v1": 60, "x7": 40, **{f"x{i}": 0 for i in range(150) if i != 7}}
+        deadline = time.monotonic() + 20
+        while True:
+            status = httpx.get(server.url + "/v2/models/scorer/status", timeout=10).json()
+            if status["table_digest"] != WORKERS_DIFFER and status["weights"] == wanted:
+                break
+            assert time.monotonic() < deadline, f"{status['table_digest']} {status.get('lagging_workers')}"
+            time.sleep(0.2)
+    finally:
+        server.stop()
