@@ -21,12 +21,14 @@ shared with every worker, which a worker's ``/status`` reports instead of its ow
 from __future__ import annotations
 
 import array
+import errno
 import json
 import logging
 import mmap
 import os
 import socket
 import struct
+import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -96,8 +98,15 @@ def send_config(pid: int, channel: socket.socket, text: bytes, quiet: bool = Fal
 
 
 def _in_memory_file(text: bytes) -> int:
-    """A descriptor of a file in memory (a memfd) holding ``text``."""
-    fd = os.memfd_create("mnn-rollout-config")
+    """A descriptor of a file in memory (a memfd) holding ``text``; without memfd (not Linux, or a
+    seccomp profile refusing it) an unlinked temporary file. OSError when neither can be made."""
+    try:
+        fd = os.memfd_create("mnn-rollout-config")
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise  # out of descriptors or memory: a file would fail too (sent again later)
+        fd, path = tempfile.mkstemp(prefix="mnn-rollout-config-")
+        os.unlink(path)
     try:
         view = memoryview(text)
         while view:

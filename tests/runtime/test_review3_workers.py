@@ -13,6 +13,7 @@ import yaml
 
 from mnn_rollout.local.net import write_atomic
 from mnn_runtime.dataplane import WORKERS_DIFFER
+from mnn_runtime import workers_channel
 from mnn_runtime.workers_channel import MAX_CONFIG_BYTES
 from tests.runtime.test_workers import all_serving, supervising
 from tests.runtime_server import RuntimeServer
@@ -138,3 +139,21 @@ def test_a_replacement_stopped_by_sigterm_is_not_logged_as_a_failed_roll(tmp_pat
     log = log_path.read_text()
     assert f"the roll stops with its replacement (pid {new}) started: shutting down" in log, log
     assert "is not serving" not in log and "workers replaced" not in log, log
+
+
+@pytest.mark.parametrize("missing", [AttributeError("no memfd_create"), OSError(38, "Function not implemented")])
+def test_a_large_config_goes_in_a_temporary_file_without_memfd(monkeypatch: pytest.MonkeyPatch,
+                                                              missing: Exception) -> None:
+    """Found in review: without memfd (not Linux, or a seccomp profile refusing memfd_create) no worker
+    took a config over one message: every worker was marked as having missed it, and dealt no
+    connection. An unlinked temporary file carries it instead."""
+    def refused(name: str) -> int:
+        raise missing
+
+    monkeypatch.setattr(workers_channel.os, "memfd_create", refused)
+    text = b"x" * (2 * MAX_CONFIG_BYTES)
+    left, right = workers_channel.channel_pair()
+    with left, right:
+        assert workers_channel.send_config(1, left, text)
+        message, fds, _ = workers_channel.receive(right)
+        assert len(fds) == 1 and workers_channel.config_text(message, fds) == text
