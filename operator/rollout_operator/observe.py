@@ -94,9 +94,12 @@ class Observation:
         them: the same weights can come with another table, after a change and back), compared by
         digest where the pod reports one (an older runtime does not: judged by weights alone).
         (True, ""), (False, which pod serves what instead), or (None, "") when no pod reports
-        weights (none answers, or an older runtime)."""
+        weights (an older runtime). A ready pod asked that did not answer is not confirmed: its
+        timeout (one look, under load) would otherwise have made the step look served by the others,
+        or, all silent, counted it from the write (as for an older runtime) while they routed the old weights."""
         want = {k: v for k, v in weights.items() if v}
         digest = table_digest(table) if table is not None else None
+        silent = [f"{p.name} did not answer ({p.error})" for p in self.pods if p.ready and p.status is None and p.error]
         reported, off = 0, []
         for pod in self.answering:
             got = (pod.status or {}).get("weights")
@@ -117,8 +120,9 @@ class Observation:
                 off.append(f"{pod.name} routes by another table of these weights (digest {served}, not {digest})")
             elif missing:
                 off.append(f"{pod.name} has not loaded {', '.join(sorted(missing))} (its share goes to the fallback)")
-        if not reported:
-            return None, ""
+        if not reported and (not silent or any(p.ready for p in self.answering)):
+            return None, ""  # silent pods beside ones answering without weights: an older runtime
+        off = silent + off
         if not off:
             return True, ""
         return False, off[0] + (f" (and {len(off) - 1} more pods)" if len(off) > 1 else "")
