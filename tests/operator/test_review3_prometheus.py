@@ -5,7 +5,6 @@ them, both serving the same model and versions."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ from rollout_operator.providers.base import SampleContext
 from rollout_operator.providers.prometheus import PrometheusProvider
 from rollout_operator.spec import AnalysisSpec, MetricSpec
 from rollout_operator.verdicts import FAIL, PASS, evaluate
-from testbed.promstack import Prometheus, require_promstack, send, write_runtime_config
-from tests.runtime_server import RuntimeServer
+from tests.operator.test_review_prometheus import Stack, scraped_pods
 
 # per pod: version -> (good, bad). team-a's canary fails 2 of its 10 requests; the unlabelled pod serves 100 well
 TRAFFIC = {"team-a": {"v2": (8, 2), "v1": (40, 0)}, "static": {"v2": (100, 0), "v1": (40, 0)}}
@@ -24,39 +22,11 @@ RATIO = MetricSpec(name="client-error-ratio", metric="mnn_inference_requests_tot
                    labels={"outcome": "client_error"}, perRequest=True, max=0.05)
 
 
-@dataclass
-class Stack:
-    prometheus: Prometheus
-
-
 @pytest.fixture(scope="module")
 def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    require_promstack()
-    workdir = tmp_path_factory.mktemp("prometheus-mixed")
-    config = write_runtime_config(examples_dir, workdir / "runtime.yaml", versions=("v1", "v2"))
-    pods = {name: RuntimeServer(config, workdir / f"{name}.log") for name in TRAFFIC}
-    prometheus: Prometheus | None = None
-    try:
-        for pod in pods.values():
-            pod.start()
-        labelled = {f"127.0.0.1:{pods['team-a'].port}": {"namespace": "team-a", "modeldeployment": "scorer"}}
-        prometheus = Prometheus(workdir, [f"127.0.0.1:{pod.port}" for pod in pods.values()],
-                                target_labels=labelled).start()
-        prometheus.wait_for_up(30)
-        for name, traffic in TRAFFIC.items():
-            for version, (good, bad) in traffic.items():
-                send(pods[name].url, version, good=good, bad=bad)
-        total = sum(sum(traffic["v2"]) for traffic in TRAFFIC.values())
-        promql = 'sum(mnn_inference_requests_total{model="scorer",version="v2"})'
-        prometheus.wait_until(lambda: prometheus.value(promql) == total, 15,  # type: ignore[union-attr]
-                              f"Prometheus scraped all {total} v2 requests")
+    labels = {"team-a": {"namespace": "team-a", "modeldeployment": "scorer"}}
+    with scraped_pods(examples_dir, tmp_path_factory.mktemp("prometheus-mixed"), TRAFFIC, labels) as prometheus:
         yield Stack(prometheus)
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        for pod in pods.values():
-            pod.stop()
-
 
 def ctx(namespace: str) -> SampleContext:
     return SampleContext(key=f"{namespace}-uid", namespace=namespace, name="scorer", model="scorer",

@@ -4,7 +4,8 @@ pod's series carry its ``namespace`` and ``modeldeployment``, as the chart's Pod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,33 +28,46 @@ class Stack:
     prometheus: Prometheus
 
 
-@pytest.fixture(scope="module")
-def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+Traffic = dict[str, dict[str, tuple[int, int]]]
+
+
+@contextlib.contextmanager
+def scraped_pods(examples_dir: Path, workdir: Path, traffic: Traffic,
+                 labels: dict[str, dict[str, str]]) -> Iterator[Prometheus]:
+    """One runtime server per key of ``traffic`` (version -> (good, bad) requests sent to it), all
+    scraped by one real Prometheus, each with the target labels ``labels`` gives its key (none when
+    absent); yields once Prometheus has every v2 request."""
     require_promstack()
-    workdir = tmp_path_factory.mktemp("prometheus-namespaces")
     config = write_runtime_config(examples_dir, workdir / "runtime.yaml", versions=("v1", "v2"))
-    pods = {ns: RuntimeServer(config, workdir / f"{ns}.log") for ns in TRAFFIC}
+    pods = {name: RuntimeServer(config, workdir / f"{name}.log") for name in traffic}
     prometheus: Prometheus | None = None
     try:
         for pod in pods.values():
             pod.start()
-        labelled = {f"127.0.0.1:{pod.port}": {"namespace": ns, "modeldeployment": "scorer"} for ns, pod in pods.items()}
-        prometheus = Prometheus(workdir, list(labelled), target_labels=labelled).start()
+        prometheus = Prometheus(workdir, [f"127.0.0.1:{pod.port}" for pod in pods.values()],
+                                target_labels={f"127.0.0.1:{pods[name].port}": extra
+                                               for name, extra in labels.items()}).start()
         prometheus.wait_for_up(30)
-        for ns, traffic in TRAFFIC.items():
-            for version, (good, bad) in traffic.items():
-                send(pods[ns].url, version, good=good, bad=bad)
-        total = sum(sum(traffic["v2"]) for traffic in TRAFFIC.values())
+        for name, served in traffic.items():
+            for version, (good, bad) in served.items():
+                send(pods[name].url, version, good=good, bad=bad)
+        total = sum(sum(served["v2"]) for served in traffic.values())
         promql = 'sum(mnn_inference_requests_total{model="scorer",version="v2"})'
         prometheus.wait_until(lambda: prometheus.value(promql) == total, 15,  # type: ignore[union-attr]
                               f"Prometheus scraped all {total} v2 requests")
-        yield Stack(prometheus)
+        yield prometheus
     finally:
         if prometheus is not None:
             prometheus.stop()
         for pod in pods.values():
             pod.stop()
 
+
+@pytest.fixture(scope="module")
+def stack(examples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    labels = {ns: {"namespace": ns, "modeldeployment": "scorer"} for ns in TRAFFIC}
+    with scraped_pods(examples_dir, tmp_path_factory.mktemp("prometheus-namespaces"), TRAFFIC, labels) as prometheus:
+        yield Stack(prometheus)
 
 def ctx(namespace: str, metrics: tuple[MetricSpec, ...] = ()) -> SampleContext:
     return SampleContext(key=f"{namespace}-uid", namespace=namespace, name="scorer", model="scorer",
