@@ -6,6 +6,7 @@ request's p99 from ~1 ms to 115 ms."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import threading
@@ -25,10 +26,10 @@ BODY = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 64], "d
 SLOW = "/v2/models/scorer/versions/slow/profile"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Iterator[RuntimeServer]:
-    """v1 beside v2-slow warmed up (and so profiled) at batch 2048: ~0.4 s a forward here."""
-    root = tmp_path_factory.mktemp("profile3")
+@contextlib.contextmanager
+def slow_beside_v1(root: Path, examples_dir: Path, *args: str) -> Iterator[RuntimeServer]:
+    """A runtime (``args``: more of its arguments) serving v1 beside v2-slow warmed up (and so
+    profiled) at batch 2048, ~0.4 s a forward here, with profiling on (the admin token)."""
     for name in ("v1", "v2-slow"):
         shutil.copy(examples_dir / f"{name}.mnn", root / f"{name}.mnn")
     config = {"model": "scorer", "weights": {"v1": 100, "slow": 0},
@@ -37,10 +38,18 @@ def server(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Iter
     (root / "runtime.yaml").write_text(yaml.safe_dump(config))
     (root / "token").write_text(TOKEN + "\n")
     srv = RuntimeServer(root / "runtime.yaml", log_path=root / "server.log",
-                        extra_args=["--admin-token-file", str(root / "token")])
+                        extra_args=["--admin-token-file", str(root / "token"), *args])
     srv.start()
-    yield srv
-    srv.stop()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Iterator[RuntimeServer]:
+    with slow_beside_v1(tmp_path_factory.mktemp("profile3"), examples_dir) as srv:
+        yield srv
 
 
 def in_background(url: str) -> tuple[threading.Thread, list[httpx.Response]]:
@@ -51,11 +60,12 @@ def in_background(url: str) -> tuple[threading.Thread, list[httpx.Response]]:
 
 
 def profiling_child(server: RuntimeServer) -> int:
-    """The pid of the serving process's profiling child, once it has one."""
+    """The pid of the profiling child of the serving process, or of one of its workers, once there
+    is one."""
     assert server.proc is not None
     deadline = time.monotonic() + 20
     while True:
-        for pid in children(server.proc.pid):
+        for pid in [p for child in children(server.proc.pid) for p in (child, *children(child))]:
             try:
                 if b"mnn_runtime.profile" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     return pid

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import resource
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -18,54 +17,25 @@ from mnn_rollout.local.net import write_atomic
 from mnn_runtime.dataplane import WORKERS_DIFFER
 
 from tests.runtime.test_profile import TOKEN
-from tests.runtime.test_review3_profile import gone
+from tests.runtime.test_review3_profile import SLOW, gone, profiling_child, slow_beside_v1
 from tests.runtime.test_workers import all_serving, children
 from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(180)
-SLOW = "/v2/models/scorer/versions/slow/profile"
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory, examples_dir: Path) -> Iterator[RuntimeServer]:
     """Two workers serving v1 beside v2-slow warmed up at batch 2048 (~0.4 s a forward), profiling on."""
     root = tmp_path_factory.mktemp("review4")
-    for name in ("v1", "v2-slow"):
-        shutil.copy(examples_dir / f"{name}.mnn", root / f"{name}.mnn")
-    config = {"model": "scorer", "weights": {"v1": 100, "slow": 0},
-              "versions": [{"name": "v1", "uri": "v1.mnn"},
-                           {"name": "slow", "uri": "v2-slow.mnn", "warmupShapes": {"features": [2048, 64]}}]}
-    (root / "runtime.yaml").write_text(yaml.safe_dump(config))
-    (root / "token").write_text(TOKEN + "\n")
-    srv = RuntimeServer(root / "runtime.yaml", log_path=root / "server.log",
-                        extra_args=["--admin-token-file", str(root / "token"), "--workers", "2"])
-    srv.start()
-    try:
+    with slow_beside_v1(root, examples_dir, "--workers", "2") as srv:
         all_serving(srv, root / "server.log")
         yield srv
-    finally:
-        srv.stop()
 
 
 def request(path: str, close: bool = False, token: bool = False) -> bytes:
     return (f"GET {path} HTTP/1.1\r\nHost: x\r\n" + (f"Authorization: Bearer {TOKEN}\r\n" if token else "")
             + ("Connection: close\r\n" if close else "") + "\r\n").encode()
-
-
-def a_workers_profiling_child(server: RuntimeServer) -> int:
-    """The pid of the profiling child of one of the server's workers, once there is one."""
-    assert server.proc is not None
-    deadline = time.monotonic() + 20
-    while True:
-        for worker in children(server.proc.pid):
-            for pid in children(worker):
-                try:
-                    if b"mnn_runtime.profile" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                        return pid
-                except OSError:
-                    pass
-        assert time.monotonic() < deadline, "no profiling child process:\n" + server.log()
-        time.sleep(0.02)
 
 
 def test_a_connection_a_worker_closes_while_it_profiles_is_closed(workers: RuntimeServer) -> None:
@@ -83,7 +53,7 @@ def test_a_connection_a_worker_closes_while_it_profiles_is_closed(workers: Runti
             assert answer.startswith(b"HTTP/1.1 200"), answer
         with socket.create_connection((workers.host, workers.port)) as profiling:
             profiling.sendall(request(SLOW + "?runs=1000&timeout=600", token=True))
-            child = a_workers_profiling_child(workers)
+            child = profiling_child(workers)
             fds = sorted(os.readlink(fd) for fd in Path(f"/proc/{child}/fd").iterdir())
             for sock in held:
                 sock.sendall(request("/v2/health/live", close=True))
