@@ -28,7 +28,7 @@ from .feedback import MAX_ID_LENGTH, FeedbackBook, new_id, parse_feedback, versi
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
 from .model import LoadedModel
 from .registry import FAILED, OFFLOADED, PENDING, Registry, Snapshot, VersionState, model_metadata
-from .shadow import Shadow
+from .shadow import Shadow, setting as shadow_setting
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ class DataPlane:
     def model_status(self, model: str) -> dict[str, Any]:
         """Every listed version's state, reason and weight, and the routing table's digest (an
         mnn-rollout extension of OIP, read by the operator to report per-version readiness and the
-        routing served across pods). With workers, the table and weights are the whole pod's
-        (``_pod_wide``)."""
+        routing served across pods, and what it shadows). With workers, the table, weights and
+        shadow are the whole pod's (``_pod_wide``)."""
         snap = self._snapshot_for(model)
         status: dict[str, Any] = {
             "name": model,
@@ -141,6 +141,7 @@ class DataPlane:
             "stable_version": snap.config.stable_version,
             "weights": snap.weights,
             "table_digest": snap.table_digest,  # which table of these weights (another can have the same)
+            "shadow": shadow_setting(snap.config),  # {"version", "percent"} run in stable's shadow, or None
             "versions_digest": snap.config.version_set_digest(),
             "versions": {
                 name: {"ready": v.ready, "state": v.state, "reason": v.reason, "uri": v.spec.uri,
@@ -390,14 +391,16 @@ def _pod_wide(pod: dict[str, Any] | None, snap: Snapshot) -> dict[str, Any]:
     """What /status says of a pod's routing, from a worker (``pod``: as the supervisor wrote it,
     ``workers_channel.PodRouting``): this worker's table when every worker routes by it, else
     ``WORKERS_DIFFER`` (matching no table: the operator does not count the pod as serving the new
-    one) with a lagging worker's weights; and ``lagging_workers``, the pids of those not routing by
-    the newest config yet."""
+    one) with a lagging worker's weights; this worker's shadow when every worker shadows the same
+    (a shadow change leaves the table as it is), else ``WORKERS_DIFFER`` too (and while their tables
+    differ: not known); and ``lagging_workers``, the pids of those not routing by the newest config yet."""
     lagging = [pid for pid in (pod or {}).get("lagging") or [] if isinstance(pid, int)]
     if pod is not None and pod.get("table_digest") == snap.table_digest:
-        return {"lagging_workers": lagging}
+        own = shadow_setting(snap.config)
+        return {"lagging_workers": lagging, "shadow": own if pod.get("shadow") == own else WORKERS_DIFFER}
     weights = (pod or {}).get("weights")
     return {"table_digest": WORKERS_DIFFER, "weights": weights if isinstance(weights, dict) else snap.weights,
-            "lagging_workers": lagging}
+            "shadow": WORKERS_DIFFER, "lagging_workers": lagging}
 
 
 def _pod_versions(pod: dict[str, Any] | None, versions: dict[str, dict[str, Any]], me: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from .dataplane import DataPlane
 from .kube import KubeAPI, KubeError
 from .metrics import RuntimeMetrics
 from .registry import FAILED, PENDING, Registry, next_table, same_file
+from .shadow import setting as shadow_setting
 from .fastpath import InferFastPath, protocol_for
 from .idle import IdleUnloader
 from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION,
@@ -185,7 +186,8 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         if config.routing.table is None:
             config = config.model_copy(update={"routing": config.routing.model_copy(update={"table": table.encode()})})
         assert config.routing.table is not None
-        supervisor.offer(config, dump_config(config).encode(), table_digest(config.routing.table))
+        supervisor.offer(config, dump_config(config).encode(), table_digest(config.routing.table),
+                         shadow_setting(config))
 
     def apply(config: RuntimeConfig) -> bool:
         """Apply in the supervisor; True when the workers must be replaced: a version was added,
@@ -206,7 +208,8 @@ def serve_workers(build: Callable[[], Runtime], host: str, port: int, workers: i
         return bool(runtime.registry.reload_now(names))
 
     supervisor = Supervisor(workers, sock, serve_one, metrics_dir, apply=apply, reload=reload, grpc_sock=grpc_sock,
-                            target=runtime.registry.snapshot.table_digest)
+                            target=runtime.registry.snapshot.table_digest,
+                            target_shadow=shadow_setting(runtime.registry.snapshot.config))
     runtime.dataplane.pod_routing = supervisor.routing.read  # each worker's /status: what the whole pod routes by
 
     def offload(names: list[str], reason: str) -> None:
@@ -415,7 +418,8 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
         def routing() -> bytes:
             snap = runtime.registry.snapshot
             return routing_of(snap.table_digest, snap.weights,
-                              [name for name, v in snap.versions.items() if v.state not in (PENDING, FAILED)])
+                              [name for name, v in snap.versions.items() if v.state not in (PENDING, FAILED)],
+                              shadow_setting(snap.config))
 
         server.routing = routing
     server.on_offload = runtime.registry.offload

@@ -41,8 +41,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from mnn_rollout.contract.config import RuntimeConfig
 
 from .codec import NUMPY_TO_OIP, TensorSpec, check_against_spec
 from .errors import BadRequest
@@ -57,6 +60,14 @@ QUEUE_BYTES = 64 * 1024**2  # ... and the tensors they hold (64 images of 1x3x64
 MAX_SHARE = 0.1  # of a worker's time its shadow thread may take with jobs no longer than SHORT_JOB ...
 SHORT_JOB = 0.0005  # ... or than stable's forward on that request; a job k times longer gets 1/k of it
 _NO_LIMIT = 1 << 30  # the batch size stable accepted is the one to check
+
+
+def setting(config: RuntimeConfig) -> dict[str, Any] | None:
+    """What a process shadows under ``config``, as ``/status`` reports it (and a worker tells the
+    supervisor): ``{"version": V, "percent": N}``, or None. The operator compares it with the shadow
+    step it wrote: the table's digest leaves the shadow out, and its weights do not change."""
+    shadow = config.shadow
+    return None if shadow is None else {"version": shadow.version, "percent": shadow.percent}
 
 
 class ShadowError(Exception):

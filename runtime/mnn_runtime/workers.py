@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from . import engine
-from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE, PodRouting,
-                              send_config, send_connection, send_message)
+from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE,
+                              SHADOWS_DIFFER, PodRouting, send_config, send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,11 @@ class Supervisor(WorkerPool):
     one is retired: SIGUSR2, it stops accepting, finishes what it holds and exits), so the new
     weights are shared too and no request is dropped.
 
-    Each worker says what it routes by (its table's digest and weights) every second and after
-    each config it applied; the supervisor writes into ``routing`` (shared with the workers, read by
-    their ``/status``) the table every live worker routes by, or that they differ and which lag
-    behind ``target`` (the digest of the newest config sent; at first, the one they are forked with).
+    Each worker says what it routes by (its table's digest and weights, and what it shadows) every
+    second and after each config it applied; the supervisor writes into ``routing`` (shared with the
+    workers, read by their ``/status``) the table every live worker routes by, or that they differ and
+    which lag behind ``target`` (the digest of the newest config sent; at first, the one they are
+    forked with) or ``target_shadow`` (its shadow: ``shadow.setting``, which the digest leaves out).
     """
 
     def __init__(self, workers: int, sock: socket.socket, serve_one: Callable[[socket.socket, int], None],
@@ -83,12 +84,14 @@ class Supervisor(WorkerPool):
                  ready_timeout: float = 60.0, reload: Callable[[list[str]], bool] | None = None,
                  grpc_sock: socket.socket | None = None, hang_timeout: float = HANG_SECONDS,
                  load_timeout: float = LOAD_SECONDS,
-                 target: str = "") -> None:
+                 target: str = "", target_shadow: dict[str, Any] | None = None) -> None:
         super().__init__(workers, sock, serve_one, metrics_dir, grpc_sock)
         self.routing = PodRouting()  # made before any fork: every worker shares it
         self._target = target  # the table digest of the newest config sent to the workers
         self._routes: dict[int, tuple[str, dict[str, int]]] = {}  # worker -> (table digest, weights) it said
         self._serves: dict[int, list[str]] = {}  # worker -> the versions it said it can serve now
+        self._target_shadow = target_shadow  # what the newest config sent shadows (None: nothing)
+        self._shadows: dict[int, dict[str, Any] | None] = {}  # worker -> what it said it shadows
         self._routing_changed = True
         self.hang_timeout, self.load_timeout = hang_timeout, load_timeout
         self._loading: tuple[int, float] | None = None  # the process inside a model load, since when (seen)
@@ -102,7 +105,7 @@ class Supervisor(WorkerPool):
         self._turns = {CONNECTION: 0, GRPC_CONNECTION: 0}  # the next worker in turn, per kind
         for listener in self.listeners:
             listener.setblocking(False)
-        self._pending: queue.SimpleQueue[tuple[Any, bytes, str]] = queue.SimpleQueue()
+        self._pending: queue.SimpleQueue[tuple[Any, bytes, str, dict[str, Any] | None]] = queue.SimpleQueue()
         self._deferred: tuple[Any, bytes] | None = None  # sent to the workers, not applied here yet
         self._config_text = b""  # the newest config sent to the workers
         self._missed: set[int] = set()  # workers whose full channel refused it: sent again, no connection meanwhile
@@ -111,11 +114,12 @@ class Supervisor(WorkerPool):
         self._main_calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._accept_paused: dict[socket.socket, float] = {}  # listener -> when to try accept() again
 
-    def offer(self, config: Any, text: bytes = b"", digest: str = "") -> None:
+    def offer(self, config: Any, text: bytes = b"", digest: str = "", shadow: dict[str, Any] | None = None) -> None:
         """Hand a new config to the supervisor loop (thread-safe, returns at once); ``text`` is
         sent to every worker before the supervisor applies the config itself; ``digest``: the
-        digest of the table it routes by (workers that do not say it lag)."""
-        self._pending.put((config, text, digest))
+        digest of the table it routes by, ``shadow``: what it shadows (workers that do not say
+        both lag)."""
+        self._pending.put((config, text, digest, shadow))
         self._wake()
 
     def call_in_loop(self, fn: Callable[[], None]) -> None:
@@ -231,14 +235,18 @@ class Supervisor(WorkerPool):
         try:
             said = json.loads(routing)
             route, serves = (said["table_digest"], said["weights"]), said.get("serves", [])
+            shadow = said.get("shadow")
             if not (isinstance(route[0], str) and isinstance(route[1], dict) and isinstance(serves, list)
                     and all(isinstance(name, str) for name in serves)):
                 raise TypeError("not a digest, weights and version names")
+            if shadow is not None and not (isinstance(shadow, dict) and isinstance(shadow.get("version"), str)
+                                           and isinstance(shadow.get("percent"), int)):
+                raise TypeError("not a shadow's version and percent")
         except (ValueError, TypeError, KeyError, AttributeError):
             log.warning("worker pid %d said it routes by %r: not understood", pid, routing[:200])
             return
-        if self._routes.get(pid) != route or self._serves.get(pid) != serves:
-            self._routes[pid], self._serves[pid] = route, serves
+        if self._routes.get(pid) != route or self._serves.get(pid) != serves or self._shadows.get(pid) != shadow:
+            self._routes[pid], self._serves[pid], self._shadows[pid] = route, serves, shadow
             self._routing_changed = True
 
     def _publish(self) -> None:
@@ -252,7 +260,8 @@ class Supervisor(WorkerPool):
         self._routing_changed = False
         live = sorted(pid for pid in self.children if pid not in self.retiring)
         said = {pid: self._routes[pid] for pid in live if pid in self._routes}
-        lagging = [pid for pid in live if pid not in said or (self._target and said[pid][0] != self._target)]
+        lagging = [pid for pid in live if pid not in said or (self._target and (
+            said[pid][0] != self._target or self._shadows.get(pid) != self._target_shadow))]
         # One starting (not serving yet, nothing said) routes no request: a roll's new worker, loading
         # its own copy of a version, must not make the pod look as if it served another table meanwhile.
         serving = [pid for pid in live if pid in self.ready or pid in said]
@@ -260,7 +269,13 @@ class Supervisor(WorkerPool):
         serves = {str(pid): self._serves.get(pid, []) for pid in serving}
         if serving and len(said) == len(serving) and len({digest for digest, _ in said.values()}) == 1:
             digest, weights = said[serving[0]]
-            self.routing.write({"table_digest": digest, "weights": weights, "lagging": lagging, "serves": serves})
+            state = {"table_digest": digest, "weights": weights, "lagging": lagging, "serves": serves}
+            shadows = [self._shadows.get(pid) for pid in serving]
+            if any(shadow != shadows[0] for shadow in shadows):  # one lags on a shadow change (no table change)
+                state["shadow"] = SHADOWS_DIFFER
+            elif shadows[0] is not None:
+                state["shadow"] = shadows[0]
+            self.routing.write(state)
             return
         behind = next((said[pid] for pid in lagging if pid in said), None) or next(iter(said.values()), None)
         self.routing.write({"table_digest": None, "weights": behind[1] if behind else None, "lagging": lagging,
@@ -273,6 +288,7 @@ class Supervisor(WorkerPool):
             for pid in [p for p in self._routes if p not in self.children]:
                 del self._routes[pid]
                 self._serves.pop(pid, None)
+                self._shadows.pop(pid, None)
             self._routing_changed = True
         self._publish()
 
@@ -385,15 +401,15 @@ class Supervisor(WorkerPool):
             return
         log.error("no worker could take a connection (all busy or gone); it is closed")
 
-    def _broadcast(self, text: bytes, digest: str = "") -> None:
+    def _broadcast(self, text: bytes, digest: str = "", shadow: dict[str, Any] | None = None) -> None:
         """Send a config to every worker (they apply new weights at once; a version they do not
         have yet stays pending until they are replaced). One whose channel is full (its loop busy,
         connections piled up) gets it again as soon as it takes it (``_send_missed``)."""
         self._config_text = text
         self._missed = {pid for pid, channel in list(self._channels.items())
                         if pid not in self.retiring and not send_config(pid, channel, text)}
-        if digest:  # the workers that do not route by it yet lag
-            self._target, self._routing_changed = digest, True
+        if digest:  # the workers that do not route (and shadow) by it yet lag
+            self._target, self._target_shadow, self._routing_changed = digest, shadow, True
 
     def _send_missed(self, pid: int) -> bool:
         """Send the newest config again to a worker that missed it; True once it took it."""
@@ -411,9 +427,9 @@ class Supervisor(WorkerPool):
         while not self._pending.empty():
             newest = self._pending.get()  # only the newest matters
         if newest is not None:
-            self._deferred = newest[:2]
+            self._deferred = (newest[0], newest[1])
             if newest[1]:
-                self._broadcast(newest[1], newest[2])
+                self._broadcast(newest[1], newest[2], newest[3])
         self._missed &= self.children.keys()  # those gone are replaced from the newest state
         for pid in list(self._missed):
             self._send_missed(pid)

@@ -43,6 +43,7 @@ ALIVE_SECONDS = 1.0
 CONNECTION = b"c"  # supervisor -> worker: an accepted HTTP connection (its descriptor beside)
 GRPC_CONNECTION = b"g"  # supervisor -> worker: an accepted gRPC connection (serve --grpc-port)
 MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
+SHADOWS_DIFFER = "workers-differ"  # PodRouting's "shadow" while serving workers shadow differently
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -149,11 +150,13 @@ def send_message(pid: int, channel: socket.socket, message: bytes, quiet: bool =
     return True
 
 
-def routing_of(table_digest: str, weights: Mapping[str, int], serves: Iterable[str] = ()) -> bytes:
+def routing_of(table_digest: str, weights: Mapping[str, int], serves: Iterable[str] = (),
+               shadow: Mapping[str, Any] | None = None) -> bytes:
     """What a worker routes by, as it tells the supervisor after ``ALIVE_MESSAGE``: the table, the
-    weights, and the versions it can serve now (any of its versions not listed, pending or failed,
-    it cannot: it routes their share to the fallback)."""
-    return json.dumps({"table_digest": table_digest, "weights": dict(weights), "serves": sorted(serves)}).encode()
+    weights, the versions it can serve now (any of its versions not listed, pending or failed,
+    it cannot: it routes their share to the fallback), and what it shadows (``shadow.setting``)."""
+    return json.dumps({"table_digest": table_digest, "weights": dict(weights), "serves": sorted(serves),
+                       "shadow": dict(shadow) if shadow is not None else None}).encode()
 
 
 class PodRouting:
@@ -161,8 +164,10 @@ class PodRouting:
     with the workers (an anonymous shared mapping: made before they are forked). The supervisor
     ``write``s ``{"table_digest": the digest every live worker routes by, or None when they differ
     (or one has not said yet), "weights": theirs (when they differ: a lagging worker's),
-    "lagging": the pids of workers not routing by the newest config sent, "serves": {pid (a string):
-    the versions that serving worker can serve, [] until it said}}``; a worker ``read``s it
+    "lagging": the pids of workers not routing by (or not shadowing as) the newest config sent, "serves":
+    {pid (a string): the versions that serving worker can serve, [] until it said}, and, when every
+    serving worker said the same table, "shadow": what they all shadow, or ``SHADOWS_DIFFER`` (absent:
+    none of them shadows anything)}``; a worker ``read``s it
     for ``/status`` only. A sequence number, odd while a write is under way, tells a reader that
     saw half a write to read again."""
 
