@@ -88,11 +88,13 @@ class Observation:
         return [p for p in self.pods if p.status is not None]
 
     def serving(self, weights: dict[str, int], table: Mapping[str, object] | None = None,
-                ) -> tuple[bool | None, str]:
+                shadow: tuple[str, int] | None = None) -> tuple[bool | None, str]:
         """Whether every ready pod that answers routes by ``weights`` (their entries above 0), as the
         runtime reports in its status, and by ``table`` (the encoded routing table published with
         them: the same weights can come with another table, after a change and back), compared by
-        digest where the pod reports one (an older runtime does not: judged by weights alone).
+        digest where the pod reports one (an older runtime does not: judged by weights alone); and
+        whether it shadows ``shadow`` (version, percent; None: nothing), where the pod reports
+        ``shadow`` (a shadow step changes neither weights nor table; an older runtime does not say).
         (True, ""), (False, which pod serves what instead), or (None, "") when no pod reports
         weights (an older runtime). A ready pod asked that did not answer is not confirmed: its
         timeout (one look, under load) would otherwise have made the step look served by the others,
@@ -120,6 +122,8 @@ class Observation:
                 off.append(f"{pod.name} routes by another table of these weights (digest {served}, not {digest})")
             elif missing:
                 off.append(f"{pod.name} has not loaded {', '.join(sorted(missing))} (its share goes to the fallback)")
+            elif "shadow" in (pod.status or {}):
+                off.extend(_shadow_off(pod, shadow))
         if not reported and (not silent or any(p.ready for p in self.answering)):
             return None, ""  # silent pods beside ones answering without weights: an older runtime
         off = silent + off
@@ -155,16 +159,41 @@ class Observation:
         return VersionView(spec.name, ready, len(pods), reason, _fallback(pods, spec.name), offloaded)
 
 
-def _lagging(pod: PodView, routes: dict[str, int] | None) -> str:
-    """What a pod whose workers route by different tables says: the workers not on its newest table
-    yet (``lagging_workers``, pids), and the weights they route by when not the ones wanted."""
+def _lagging(pod: PodView, routes: dict[str, int] | None, what: str = "route by the pod's newest table",
+             differ: str = "route by different tables") -> str:
+    """What a pod whose workers route (or shadow: ``what``) differently says: the workers not on its
+    newest config yet (``lagging_workers``, pids), and the weights they route by when not the ones wanted."""
     pids = (pod.status or {}).get("lagging_workers")
     named = [str(p) for p in pids if isinstance(p, int) and not isinstance(p, bool)] if isinstance(pids, list) else []
     if not named:
-        return f"{pod.name}: its workers route by different tables (the runtime names none lagging)"
+        return f"{pod.name}: its workers {differ} (the runtime names none lagging)"
     who = f"worker {named[0]} does" if len(named) == 1 else f"workers {', '.join(named)} do"
     serve = f"{weights_text(routes)}; " if routes is not None else ""
-    return f"{pod.name}: {who} not route by the pod's newest table yet ({serve}the other workers do)"
+    return f"{pod.name}: {who} not {what} yet ({serve}the other workers do)"
+
+
+def _shadow_off(pod: PodView, want: tuple[str, int] | None) -> list[str]:
+    """Why ``pod`` does not shadow ``want`` (as its /status's ``shadow`` says), or nothing when it does."""
+    status = pod.status or {}
+    got = status.get("shadow")
+    if got == WORKERS_DIFFER:
+        return [_lagging(pod, None, "shadow as the pod's newest config", "shadow differently")]
+    wanted = None if want is None else {"version": want[0], "percent": want[1]}
+    if got != wanted:
+        return [f"{pod.name} shadows {shadow_text(got)}, not {shadow_text(wanted)}"]
+    state = (status.get("versions") or {}).get(want[0]) if want is not None else None
+    if want is not None and not (state or {}).get("ready"):
+        return [f"{pod.name} has not loaded {want[0]} (its shadow runs nothing)"]
+    return []
+
+
+def shadow_text(shadow: object) -> str:
+    """``20% of stable's requests on v2``, ``nothing``, or what a pod said that is neither."""
+    if shadow is None:
+        return "nothing"
+    if isinstance(shadow, dict):
+        return f"{shadow.get('percent')}% of stable's requests on {shadow.get('version')}"
+    return repr(shadow)
 
 
 def weights_text(weights: dict[str, int]) -> str:

@@ -30,7 +30,7 @@ from .verdicts import Analysis
 from .analyzer import analysing, next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
-from .observe import Observation, weights_text
+from .observe import Observation, shadow_text, weights_text
 from .ports import DELETED, NOT_REPAIRED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions, unlisted_stable
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, name_problem, parse_spec
@@ -70,6 +70,11 @@ def firing_alert(marks: str | None, canary: str | None) -> str | None:
         if mark and (len(parts) < 3 or canary in parts[-1].split(",")):
             return parts[0]
     return None
+
+
+def shadow_of(status: RolloutStatus) -> tuple[str, int] | None:
+    """The shadow ``status`` asks the pods for: (the canary, its percent) during a shadow step."""
+    return (status.canary_version, status.shadow_percent) if status.canary_version and status.shadow_percent else None
 
 
 def guarded(status: RolloutStatus) -> bool:
@@ -190,9 +195,9 @@ class Reconciler:
                     raise
                 return Outcome(status, [], {}, False, None, conflict=True)  # nothing written yet: decide again
 
-        shadow = (new.canary_version, new.shadow_percent) if new.canary_version and new.shadow_percent else None
         config = children.runtime_config(spec, model, new.weights, new.stable_version or "",
-                                         routed_versions(spec, new), self.ports.published_table(target), shadow)
+                                         routed_versions(spec, new), self.ports.published_table(target),
+                                         shadow_of(new))
         written = self.ports.write_children(children.render_all(target, spec, config, self.runtime_image))
         written.update(self.ports.delete_children(children.unrendered(target, spec), children.owner_uid(target)))
         published = config.routing.table  # the table the pods must route by (with new.weights)
@@ -297,15 +302,18 @@ class Reconciler:
     def _served(new: RolloutStatus, observation: Observation, now: float,
                 table: Mapping[str, object] | None) -> RolloutStatus:
         """Condition WeightsServed: whether every ready pod routes by ``new.weights`` and the
-        published ``table`` (as seen before this reconcile's writes: a change is confirmed by the
-        next look, polled meanwhile)."""
-        serving, detail = observation.serving(new.weights, table)
+        published ``table``, and shadows what ``new`` asks (as seen before this reconcile's writes: a
+        change is confirmed by the next look, polled meanwhile)."""
+        shadow = shadow_of(new)
+        serving, detail = observation.serving(new.weights, table, shadow)
         if serving is None:  # no pod says (none answers, or an older runtime): nothing is claimed, nor polled for
             if condition(new, "WeightsServed") is None:
                 return new
             return with_condition(new, "WeightsServed", "Unknown", "NotReported", "no ready pod reports its weights",
                                   now)
         text = weights_text({k: v for k, v in new.weights.items() if v})
+        if shadow is not None:
+            text += f" and shadows {shadow_text({'version': shadow[0], 'percent': shadow[1]})}"
         if serving:
             return with_condition(new, "WeightsServed", "True", "Served", f"every pod serves {text}", now)
         return with_condition(new, "WeightsServed", "False", "Applying", f"{detail}; applying {text}", now)

@@ -72,7 +72,7 @@ def decide(
         st = _no_canary(spec, experiment.removed(st, events), world, events, now)
     else:
         st = _canary(spec, experiment.removed(st, events), canary, world, analysis, now, events, pending,
-                     status.weights)
+                     status.weights, status.shadow_percent)
     st = _record_action(st, world, outcome, why, events)
     st = _retire(spec, st, world, now, events)
     st = _progressing(st, events, now)
@@ -249,7 +249,8 @@ def file_of(spec: ModelDeploymentSpec, version: str) -> str:
 
 def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: World,
             analysis: Analysis | None, now: float, events: list[Event],
-            pending: tuple[str, str, str] | None = None, written: Mapping[str, int] | None = None) -> RolloutStatus:
+            pending: tuple[str, str, str] | None = None, written: Mapping[str, int] | None = None,
+            written_shadow: int | None = None) -> RolloutStatus:
     file = file_of(spec, canary)
     if st.canary_version == canary and st.canary_file is None:
         st = replace(st, canary_file=file)  # a status written before files were recorded: adopt
@@ -299,20 +300,24 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
         st = _set_weight(st, step.weight, now, restart_clock=True)
         events.append(Event("Normal", "StepStarted", f"canary {canary} ready: step {st.step_text} at "
                                                       f"{st.canary_weight}%"))
-    st = _record(spec, served_since(st, written), analysis)
+    st = _record(spec, served_since(st, written, written_shadow), analysis)
     return _rollback_if_failed(spec, st, analysis, now, events) or _advance(spec, st, analysis, world, now, events)
 
 
-def served_since(st: RolloutStatus, written: Mapping[str, int] | None) -> RolloutStatus:
+def served_since(st: RolloutStatus, written: Mapping[str, int] | None, written_shadow: int | None = None,
+                 ) -> RolloutStatus:
     """The step's clock started (``step_served_at``) once every ready pod routes by its weights:
     condition WeightsServed True, as the last reconcile saw the pods (its lastTransitionTime, when
     they were first seen serving them). A ConfigMap reaches the pods seconds to a minute after it is
     written: counted from the write, a step's pause and checks were partly spent on the previous
     weights. Pods that report no weights (an older runtime; Unknown) count from the write, as before.
-    ``written``: the weights the condition was judged against (the status this decision started from)."""
-    if st.step_served_at is not None or st.step_started_at is None or written is None or st.weights != written:
-        return st
+    ``written``, ``written_shadow``: the weights and shadow percent the condition was judged against (the
+    status this decision started from): a shadow step keeps the weights, and pods report the shadow (a
+    condition judged for another shadow says nothing of this one; without one, nothing was ever judged)."""
     served = condition(st, "WeightsServed") or {}
+    if st.step_served_at is not None or st.step_started_at is None or written is None or st.weights != written \
+            or (served and st.shadow_percent != written_shadow):
+        return st
     if served.get("status") == "False":
         return st
     since = epoch(served.get("lastTransitionTime")) if served.get("status") == "True" else None
