@@ -29,9 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from mnn_rollout.contract.config import ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV
+
 from .errors import InferenceError
 
 CONFIG = {"backend": "CPU", "numThread": 1}
+SECRET_ENV = frozenset({ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                        "AWS_SESSION_TOKEN"})
 MAX_RUNS = 1000  # the endpoint's bound: 1000 runs of v2-slow (two ~4 ms forwards each) took 8-15 s here
 DEFAULT_TIMEOUT = 60  # the endpoint's wall-clock limit of one profile, seconds (its ?timeout=)
 MAX_TIMEOUT = 600
@@ -237,6 +241,12 @@ def native_stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def child_environment(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The profiling child's environment: the server's, less its secrets (the admin and feedback
+    tokens, S3 credentials): it reads a local file and answers on a pipe, and needs none of them."""
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
 class Profiler:
     """The runtime's side: one profile at a time per process, each in a child process of its own
     (``python -m mnn_runtime.profile``). Not a thread: ``runSessionWithCallBackInfo`` holds the GIL
@@ -264,7 +274,7 @@ class Profiler:
         pipe = asyncio.subprocess.PIPE
         try:
             proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "mnn_runtime.profile", stdin=pipe,
-                                                        stdout=pipe, stderr=pipe)
+                                                        stdout=pipe, stderr=pipe, env=child_environment())
         except OSError as exc:
             raise ProfileError(f"cannot start the profiling process: {exc}") from None
         log.info("profiling %s: %d runs in process %d, time limit %g s", path, runs, proc.pid, timeout)

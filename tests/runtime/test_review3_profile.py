@@ -136,3 +136,21 @@ def test_a_bad_timeout_is_refused_naming_it(server: RuntimeServer, value: str) -
     r = httpx.get(server.url + SLOW + f"?runs=1&timeout={value}", headers=auth(), timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"] == f"timeout: {value!r} must be a whole number of seconds from 1 to 600"
+
+
+def test_the_profiling_child_holds_none_of_the_servers_secrets(tmp_path: Path, examples_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the child inherited the server's environment, tokens and S3 keys included
+    (the admin token when given as MNN_ROLLOUT_ADMIN_TOKEN); it reads a local file and needs none."""
+    secrets = {"MNN_ROLLOUT_FEEDBACK_TOKEN": "feedback-secret", "AWS_SECRET_ACCESS_KEY": "s3-secret",
+               "AWS_ACCESS_KEY_ID": "s3-key", "AWS_SESSION_TOKEN": "s3-session"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    with slow_beside_v1(tmp_path, examples_dir) as srv:
+        thread, answers = in_background(srv.url + SLOW + "?runs=1000&timeout=3")
+        pid = profiling_child(srv)
+        environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
+        assert environ.get(b"PYTHONUNBUFFERED") == b"1"  # the server's environment, less its secrets
+        assert not {name.encode() for name in secrets} & set(environ), sorted(environ)
+        thread.join(timeout=60)  # the time limit ends it
+        assert answers and answers[0].status_code == 504, answers
