@@ -267,6 +267,48 @@ def _owners_in(text: str) -> tuple[str, ...] | None:
         return None
 
 
+def _stamped_content(live: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``stamped`` hashed of a routing ConfigMap, as ``live`` holds it now: its rendered fields only."""
+    meta = live.get("metadata") or {}
+    have = meta.get("labels") or {}
+    out_meta: dict[str, Any] = {"name": meta.get("name"), "namespace": meta.get("namespace"),
+                                "labels": {k: have[k] for k in labels(Target(str(have.get(OWNER_LABEL, "")), ""))
+                                           if k in have}}
+    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == "ModelDeployment" and o.get("controller")]
+    if owners:
+        out_meta["ownerReferences"] = owners
+    return {"apiVersion": live.get("apiVersion", "v1"), "kind": "ConfigMap", "metadata": out_meta,
+            "data": {CONFIG_KEY: (live.get("data") or {}).get(CONFIG_KEY)}}
+
+
+def stamp_holds(live: Mapping[str, Any]) -> bool:
+    """Whether a routing ConfigMap still holds what its spec-hash annotation was computed over
+    (False: its content was edited since an operator wrote it, the annotation kept)."""
+    return spec_hash(live) == digest(_stamped_content(live))
+
+
+def _data_writer(live: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(manager, operation) of the field manager that owns the routing config's text (None: unknown)."""
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        if f"f:{CONFIG_KEY}" in ((entry.get("fieldsV1") or {}).get("f:data") or {}):
+            return str(entry.get("manager")), str(entry.get("operation"))
+    return None
+
+
+def edited_since(live: Mapping[str, Any] | None, ours: Mapping[str, Any] | None, manager: str) -> bool:
+    """Whether ``live`` is ``ours`` (the child as this operator last wrote or found it) edited since by
+    another hand: it carries our stamp but not our content (``kubectl edit``), or it is an older
+    rendering written over ours verbatim (its own stamp holds) by another field manager than the
+    operator's (a GitOps tool re-applying an old copy). Another operator instance's newer write (under
+    ``manager``, or when managedFields do not say who wrote) is not an edit: it is adopted."""
+    if live is None or ours is None or not drift(live, ours):
+        return False
+    if spec_hash(live) == spec_hash(ours):
+        return True
+    writer = _data_writer(live) if live.get("kind") == "ConfigMap" else None
+    return writer is not None and writer != (manager, "Apply") and stamp_holds(live)
+
+
 def render_configmap(target: Target, config: RuntimeConfig) -> dict[str, Any]:
     return stamped({
         "apiVersion": "v1",

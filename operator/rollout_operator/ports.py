@@ -106,6 +106,8 @@ class WatchCache:
         self.synced = False
         self._children: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._rendered: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # child -> the rendering the API last took from this replica (or it found live, unchanged)
+        self._published: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._pods: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (namespace, owner) -> name -> pod
         self._stamps: dict[tuple[str, str, str], float] = {}  # (namespace, name, kind) -> when last put
         self._listed: dict[str, float] = {}  # kind -> when it was last listed
@@ -203,6 +205,15 @@ class WatchCache:
         with self._lock:
             self._rendered[self._child_key(obj)] = obj
 
+    def published(self, obj: dict[str, Any], written: bool = False) -> dict[str, Any] | None:
+        """The rendering of the child ``obj`` names that the API last took from this replica (an
+        apply it answered, or found live as rendered): with ``written``, ``obj`` becomes it. None
+        until then (a restarted operator remembers nothing: it adopts what it finds)."""
+        with self._lock:
+            if written:
+                self._published[self._child_key(obj)] = obj
+            return self._published.get(self._child_key(obj))
+
     def differs(self, live: dict[str, Any]) -> bool:
         """Whether a watched child is not what the operator last rendered for it (another
         spec-hash, a field edited by hand), or was never rendered by this replica."""
@@ -248,11 +259,19 @@ class ClusterPorts:
             live = self._live(obj)
             same_hash = live is not None and children.spec_hash(live) == children.spec_hash(obj)
             edited = children.drift_values(live, obj) if live is not None and same_hash else []
+            ours = self.cache.published(obj)
+            if not same_hash and live is not None and children.edited_since(live, ours, FIELD_MANAGER):
+                # edited by hand since this replica's write (a routing table put back beside new weights, an
+                # old copy re-applied): the fields edited that this apply puts back (the stamp aside)
+                applied = {path for path, _ in children.drift_values(live, obj)}
+                edited = [(path, value) for path, value in children.drift_values(live, ours or {})
+                          if path in applied and children.HASH_ANNOTATION not in path]
             child, rendering = WatchCache._child_key(obj), json.dumps(obj, sort_keys=True)
             undone = self._undone.get(child)
             if same_hash and not edited:
                 written[key] = "unchanged"  # as rendered: no request
                 self._undone.pop(child, None)
+                self.cache.published(obj, written=True)
                 continue
             if (undone is not None and same_hash and undone[:2] == (rendering, _values(edited))
                     and time.monotonic() - undone[2] < UNDONE_RETRY_SECONDS):
@@ -270,6 +289,7 @@ class ClusterPorts:
                 continue
             result.setdefault("kind", obj["kind"])
             self.cache.put_child(result)  # written through: the next reconcile sees it before the watch does
+            self.cache.published(obj, written=True)
             kept = children.drift_values(result, obj) if live is not None else []
             repaired = [path for path, _ in edited if path not in {p for p, _ in kept}]
             said = undone is not None and undone[1] == _values(kept)
@@ -319,8 +339,18 @@ class ClusterPorts:
         return (stored.get("metadata") or {}).get("resourceVersion")
 
     def published_table(self, target: children.Target) -> tuple[str, ...] | None:
+        """The table this replica last published while the live one is that edited by hand since (or
+        deleted): the next table is evolved from it, and the edit is put back; else the live one (a
+        newer write of another operator instance, or after a restart, when nothing is remembered)."""
         stub = {"kind": "ConfigMap", "metadata": {"namespace": target.namespace, "name": target.routing}}
-        return children.published_owners(self._live(stub))
+        live, ours = self._live(stub), self.cache.published(stub)
+        uid = children.owner_uid(target)
+        if ours is not None and (uid or ours["metadata"].get("ownerReferences")) and uid not in {
+                o.get("uid") for o in ours["metadata"].get("ownerReferences") or []}:
+            ours = None  # another ModelDeployment's of that name (deleted and created again)
+        if ours is not None and (live is None or children.edited_since(live, ours, FIELD_MANAGER)):
+            return children.published_owners(ours)
+        return children.published_owners(live)
 
     def _live(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The child ``obj`` names as it is now: from the watch cache once synced, else the API."""
