@@ -274,7 +274,8 @@ def _stamped_content(live: Mapping[str, Any]) -> dict[str, Any]:
     out_meta: dict[str, Any] = {"name": meta.get("name"), "namespace": meta.get("namespace"),
                                 "labels": {k: have[k] for k in labels(Target(str(have.get(OWNER_LABEL, "")), ""))
                                            if k in have}}
-    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == "ModelDeployment" and o.get("controller")]
+    owners = [o for o in meta.get("ownerReferences") or []
+              if o.get("kind") == "ModelDeployment" and o.get("controller")]
     if owners:
         out_meta["ownerReferences"] = owners
     return {"apiVersion": live.get("apiVersion", "v1"), "kind": "ConfigMap", "metadata": out_meta,

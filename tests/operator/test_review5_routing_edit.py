@@ -81,7 +81,8 @@ def test_an_old_copy_a_gitops_tool_applies_again_is_put_back(cluster: Cluster) -
     wait_for(lambda: cluster.configmap_weights() == {"v1": 90, "v2": 10}, 30, "weights 90/10")
     _, old = cluster.emu.request("GET", ROUTING)
     for weights in ({"v1": 50, "v2": 50}, {"v1": 90, "v2": 10}):  # out and back: other users on v2
-        cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", json.dumps({"spec": {"weights": weights}}))
+        patch = json.dumps({"spec": {"weights": weights}})
+        cluster.emu.kubectl("patch", "md", "scorer", "--type", "merge", "-p", patch)
         wait_for(lambda: cluster.configmap_weights() == weights, 30, f"weights {weights}")
     published = live_table(cluster)
     assert published != table_of(old) and published.count("v2") == table_of(old).count("v2")
