@@ -97,5 +97,8 @@ async def exiting(memo: kopf.Memo, **_: Any) -> None:  # async: on the loop, who
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def forget(*, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """Children go by garbage collection (owner references); only drop our metric series."""
+    """Children go by garbage collection (owner references); only drop our metric series and what the
+    cache remembers of the children's renderings."""
     memo.wakeups.reconciler.metrics.forget(namespace or "", name)
+    if memo.wakeups.cache is not None:
+        memo.wakeups.cache.forget_owner(namespace or "", name)

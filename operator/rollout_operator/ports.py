@@ -214,6 +214,15 @@ class WatchCache:
                 self._published[self._child_key(obj)] = obj
             return self._published.get(self._child_key(obj))
 
+    def forget_owner(self, namespace: str, owner: str) -> None:
+        """Drop what was rendered and published for the children of a deleted ModelDeployment (they go
+        by garbage collection): kept, they grew with every name ever deleted."""
+        with self._lock:
+            for held in (self._rendered, self._published):
+                for key in [key for key, obj in held.items() if key[0] == namespace
+                            and ((obj.get("metadata") or {}).get("labels") or {}).get(children.OWNER_LABEL) == owner]:
+                    del held[key]
+
     def differs(self, live: dict[str, Any]) -> bool:
         """Whether a watched child is not what the operator last rendered for it (another
         spec-hash, a field edited by hand), or was never rendered by this replica."""

@@ -144,7 +144,14 @@ def test_another_instances_newer_table_is_adopted_never_overwritten(k8s_emulator
         assert table_of(kube.get("ConfigMap", "default", "scorer-routing")) == newer
         # the ConfigMap deleted: recreated with the table published, not all v1's
         kube.delete("ConfigMap", "default", "scorer-routing")
-        assert b.write_children([configmap(b, {"v1": 90, "v2": 10})]) == {"ConfigMap/scorer-routing": "created"}
+        last = configmap(b, {"v1": 90, "v2": 10})
+        assert b.write_children([last]) == {"ConfigMap/scorer-routing": "created"}
         assert table_of(kube.get("ConfigMap", "default", "scorer-routing")) == newer
+        # the ModelDeployment deleted (its children go by garbage collection): nothing of theirs is kept
+        kube.delete("ConfigMap", "default", "scorer-routing")
+        b.cache.forget_owner("default", "another")
+        assert b.published_table(target) == newer and not b.cache.differs(last)
+        b.cache.forget_owner("default", "scorer")
+        assert b.published_table(target) is None and b.cache.differs(last)
     finally:
         kube.close()
