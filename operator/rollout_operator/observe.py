@@ -17,10 +17,7 @@ from typing import Any
 import httpx
 
 from mnn_rollout.contract.config import VersionSpec
-from mnn_rollout.contract.routing import table_digest
-
-# /status's table_digest for a pod whose workers route by different tables (the runtime's WORKERS_DIFFER)
-WORKERS_DIFFER = "workers-differ"
+from mnn_rollout.contract.routing import WORKERS_DIFFER, table_digest
 
 
 @dataclass(frozen=True)

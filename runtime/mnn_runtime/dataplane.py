@@ -23,6 +23,7 @@ from . import binary as binary_ext
 from .batching import Batcher, Grouper, batching_off_reason, timed_forward
 from .codec import check_against_spec, decode_tensor, encode_output, to_array
 from mnn_rollout.contract.config import BatchingSpec
+from mnn_rollout.contract.routing import WORKERS_DIFFER
 from .errors import BadRequest, InferenceError, ModelNotFound, VersionNotReady
 from .feedback import MAX_ID_LENGTH, FeedbackBook, new_id, parse_feedback, version_in
 from .metrics import UNROUTED, RuntimeMetrics, outcome_of
@@ -33,8 +34,6 @@ from .shadow import Shadow, setting as shadow_setting
 log = logging.getLogger(__name__)
 
 PIN_HEADER = "x-model-version"
-# /status's table_digest while the workers of a pod route by different tables: matches no table
-WORKERS_DIFFER = "workers-differ"
 VERSION_HEADER = "X-Model-Version"
 
 

@@ -33,9 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mnn_rollout.contract.routing import WORKERS_DIFFER
+
 from . import engine
 from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, CONNECTION, GRPC_CONNECTION, RELOAD_MESSAGE,
-                              SHADOWS_DIFFER, PodRouting, send_config, send_connection, send_message)
+                              PodRouting, send_config, send_connection, send_message)
 from .workers_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -272,7 +274,7 @@ class Supervisor(WorkerPool):
             state = {"table_digest": digest, "weights": weights, "lagging": lagging, "serves": serves}
             shadows = [self._shadows.get(pid) for pid in serving]
             if any(shadow != shadows[0] for shadow in shadows):  # one lags on a shadow change (no table change)
-                state["shadow"] = SHADOWS_DIFFER
+                state["shadow"] = WORKERS_DIFFER
             elif shadows[0] is not None:
                 state["shadow"] = shadows[0]
             self.routing.write(state)

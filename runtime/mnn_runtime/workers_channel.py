@@ -43,7 +43,6 @@ ALIVE_SECONDS = 1.0
 CONNECTION = b"c"  # supervisor -> worker: an accepted HTTP connection (its descriptor beside)
 GRPC_CONNECTION = b"g"  # supervisor -> worker: an accepted gRPC connection (serve --grpc-port)
 MAX_CONFIG_BYTES = 192 * 1024  # under the socket's send buffer (~208 KB by default)
-SHADOWS_DIFFER = "workers-differ"  # PodRouting's "shadow" while serving workers shadow differently
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -166,7 +165,7 @@ class PodRouting:
     (or one has not said yet), "weights": theirs (when they differ: a lagging worker's),
     "lagging": the pids of workers not routing by (or not shadowing as) the newest config sent, "serves":
     {pid (a string): the versions that serving worker can serve, [] until it said}, and, when every
-    serving worker said the same table, "shadow": what they all shadow, or ``SHADOWS_DIFFER`` (absent:
+    serving worker said the same table, "shadow": what they all shadow, or ``WORKERS_DIFFER`` (absent:
     none of them shadows anything)}``; a worker ``read``s it
     for ``/status`` only. A sequence number, odd while a write is under way, tells a reader that
     saw half a write to read again."""

@@ -123,6 +123,11 @@ def decode(table: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(names[i] for i in raw)
 
 
+# What a pod's /status says for its table_digest (and shadow) while its workers route (or shadow) differently:
+# it matches no table, so the operator does not count the pod as serving one.
+WORKERS_DIFFER = "workers-differ"
+
+
 def table_digest(table: Mapping[str, object]) -> str:
     """A short digest of an encoded table (``encode``'s versions and buckets, as published): pods
     report the one they route by, and the operator compares it with the one it published."""
