@@ -121,7 +121,7 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
     between its writes). ``written``: the weights the status this decision started from gave.
     Its duration runs only while every pod serves the split and it is not held (spec.paused, an
     invalid spec, a version not loaded on every pod): it never ends on less of it than asked."""
-    from .rollout import Event, hold_unready, served_since
+    from .rollout import Event, hold_unready, resumed, served_since
 
     exp = spec.experiment
     assert exp is not None and st.stable_version is not None
@@ -157,9 +157,7 @@ def decide(spec: ModelDeploymentSpec, st: RolloutStatus, world: World, analysis:
     if held:
         st = replace(st, paused_at=st.paused_at or now)
     elif st.paused_at is not None:  # the time held does not count
-        gap = now - st.paused_at
-        st = replace(st, step_started_at=(st.step_started_at or now) + gap, paused_at=None,
-                     step_served_at=None if st.step_served_at is None else st.step_served_at + gap)
+        st = resumed(st, now)
     if analysis is not None:
         state["comparisons"] = analysis.sequential or state.get("comparisons") or {}
         state["checkedAt"] = iso(analysis.at)

@@ -285,10 +285,7 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
                                    paused_at=st.paused_at or now), analysis)
         return _rollback_if_failed(spec, st, analysis, now, events) or st
     if st.paused_at is not None:
-        held = now - st.paused_at
-        served = None if st.step_served_at is None else st.step_served_at + held
-        st = replace(st, step_started_at=(st.step_started_at or now) + held, step_served_at=served, paused_at=None,
-                     phase=Phase.PROGRESSING)
+        st = replace(resumed(st, now), phase=Phase.PROGRESSING)
     if not world.ready(canary):
         return _wait_for_canary(spec, st, world, now, events)
     step = _step(spec, st)
@@ -302,6 +299,15 @@ def _canary(spec: ModelDeploymentSpec, st: RolloutStatus, canary: str, world: Wo
                                                       f"{st.canary_weight}%"))
     st = _record(spec, served_since(st, written, written_shadow), analysis)
     return _rollback_if_failed(spec, st, analysis, now, events) or _advance(spec, st, analysis, world, now, events)
+
+
+def resumed(st: RolloutStatus, now: float) -> RolloutStatus:
+    """``st`` held since ``paused_at``, going on at ``now``: its clocks (the write's and the serving's)
+    moved on by the time held, which does not count."""
+    assert st.paused_at is not None
+    held = now - st.paused_at
+    return replace(st, step_started_at=(st.step_started_at or now) + held, paused_at=None,
+                   step_served_at=None if st.step_served_at is None else st.step_served_at + held)
 
 
 def served_since(st: RolloutStatus, written: Mapping[str, int] | None, written_shadow: int | None = None,
