@@ -12,8 +12,7 @@ import yaml
 
 from mnn_rollout.local.net import wait_for, write_atomic
 from mnn_runtime.dataplane import WORKERS_DIFFER
-from tests.runtime.test_workers import all_serving, children, supervising
-from tests.runtime_server import RuntimeServer
+from tests.runtime.test_workers import children, supervising, two_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,10 +143,7 @@ def test_a_roll_does_not_make_the_pod_look_as_if_it_served_another_table(large_d
                            {"name": "large", "uri": str(large_dir / "large.mnn"), "engine": {"threads": 2}}]}
     path = tmp_path / "runtime.yaml"
     write_atomic(path, yaml.safe_dump(config))
-    server = RuntimeServer(path, tmp_path / "server.log", extra_args=["--workers", "2"])
-    server.start()
-    try:
-        all_serving(server, server.log_path)
+    with two_workers(path, tmp_path / "server.log") as server:
         with httpx.Client(base_url=server.url, timeout=10) as client:
             def status() -> dict[str, object]:
                 return client.get("/v2/models/scorer/status").json()  # type: ignore[no-any-return]
@@ -164,5 +160,3 @@ def test_a_roll_does_not_make_the_pod_look_as_if_it_served_another_table(large_d
                 time.sleep(0.01)
         assert any(v2 for _, v2 in seen), "no status listed v2 during the roll"
         assert [digest for digest, _ in seen if digest != table] == [], seen
-    finally:
-        server.stop()

@@ -15,8 +15,7 @@ from mnn_rollout.local.net import write_atomic
 from mnn_runtime.dataplane import WORKERS_DIFFER
 from mnn_runtime import workers_channel
 from mnn_runtime.workers_channel import MAX_CONFIG_BYTES
-from tests.runtime.test_workers import all_serving, supervising
-from tests.runtime_server import RuntimeServer
+from tests.runtime.test_workers import supervising, two_workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,10 +32,7 @@ def test_a_config_over_one_message_reaches_every_worker(model_dir: Path, tmp_pat
     path = model_dir / "big.yaml"
     write_atomic(path, yaml.safe_dump(config))
     assert len(path.read_bytes()) > 1.5 * MAX_CONFIG_BYTES
-    server = RuntimeServer(path, tmp_path / "server.log", extra_args=["--workers", "2"])
-    server.start()
-    try:
-        all_serving(server, server.log_path)
+    with two_workers(path, tmp_path / "server.log") as server:
         config["weights"] = {"v1": 60, "x7": 40}
         write_atomic(path, yaml.safe_dump(config))
         wanted = {"v1": 60, "x7": 40, **{f"x{i}": 0 for i in range(150) if i != 7}}
@@ -51,8 +47,6 @@ def test_a_config_over_one_message_reaches_every_worker(model_dir: Path, tmp_pat
             assert time.monotonic() < deadline, f"{seen}\n{server.log()[-3000:]}"
             time.sleep(0.2)
         assert "is over" not in server.log()
-    finally:
-        server.stop()
 
 
 # A supervisor of one worker and a roll: once the first worker is inside a 3 s model load (one at a

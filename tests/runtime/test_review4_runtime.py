@@ -18,7 +18,7 @@ from mnn_runtime.dataplane import WORKERS_DIFFER
 
 from tests.runtime.test_profile import TOKEN
 from tests.runtime.test_review3_profile import SLOW, gone, profiling_child, slow_beside_v1
-from tests.runtime.test_workers import all_serving, children
+from tests.runtime.test_workers import all_serving, children, two_workers
 from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,10 +84,7 @@ def test_a_large_config_a_worker_out_of_descriptors_lost_reaches_it_later(model_
     config = {"model": "scorer", "stable": "v1", "weights": {"v1": 100}, "versions": versions}
     path = model_dir / "big.yaml"
     write_atomic(path, yaml.safe_dump(config))
-    server = RuntimeServer(path, tmp_path / "server.log", extra_args=["--workers", "2"])
-    server.start()
-    try:
-        all_serving(server, server.log_path)
+    with two_workers(path, tmp_path / "server.log") as server:
         assert server.proc is not None
         worker = children(server.proc.pid)[0]
         limit = len(os.listdir(f"/proc/{worker}/fd")) + 2
@@ -124,5 +121,3 @@ def test_a_large_config_a_worker_out_of_descriptors_lost_reaches_it_later(model_
                 break
             assert time.monotonic() < deadline, f"{status['table_digest']} {status.get('lagging_workers')}"
             time.sleep(0.2)
-    finally:
-        server.stop()

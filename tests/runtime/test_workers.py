@@ -47,15 +47,23 @@ def all_serving(srv: RuntimeServer, log_path: Path, workers: int = 2) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def server(model_dir: Path, tmp_path: Path) -> Iterator[RuntimeServer]:
-    srv = RuntimeServer(model_dir / "runtime.yaml", log_path=tmp_path / "server.log", extra_args=["--workers", "2"])
+@contextlib.contextmanager
+def two_workers(config: Path, log_path: Path) -> Iterator[RuntimeServer]:
+    """A runtime of ``config`` with ``--workers 2``, its log in ``log_path``, once both workers
+    serve; stopped on leaving."""
+    srv = RuntimeServer(config, log_path=log_path, extra_args=["--workers", "2"])
     srv.start()
     try:
-        all_serving(srv, tmp_path / "server.log")
+        all_serving(srv, log_path)
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def server(model_dir: Path, tmp_path: Path) -> Iterator[RuntimeServer]:
+    with two_workers(model_dir / "runtime.yaml", tmp_path / "server.log") as srv:
+        yield srv
 
 
 def test_the_parent_forks_two_workers_that_share_the_socket(server: RuntimeServer) -> None:
