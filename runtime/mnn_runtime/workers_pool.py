@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .workers_channel import CONNECTION, GRPC_CONNECTION, channel_pair
 from .workers_metrics import mark_dead
-from .workers_process import run_worker
+from .workers_process import STOP_SIGNALS, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,11 @@ class WorkerPool:
     def _spawn(self, slot: int) -> int:
         ready_r, ready_w = os.pipe()
         ours, theirs = channel_pair()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until the child has its own handlers
         try:
             pid = os.fork()
         except OSError as exc:  # out of memory or processes: try again later, never crash
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             log.error("cannot start worker %d: %s; retrying", slot, exc)
             for fd in (ready_r, ready_w):
                 os.close(fd)
@@ -78,12 +80,15 @@ class WorkerPool:
             run_worker(slot, self.serve_one, theirs, ready_w,
                        inherited_fds=(ready_r, self._wake_r, self._wake_w, *self._ready_fds.values()),
                        inherited_sockets=(ours, *self.listeners, *self._channels.values()))
-        os.close(ready_w)
-        theirs.close()
-        ours.setblocking(False)  # a worker that stops reading must never block the supervisor
-        self.children[pid] = slot
-        self._ready_fds[pid] = ready_r
-        self._channels[pid] = ours
+        try:
+            os.close(ready_w)
+            theirs.close()
+            ours.setblocking(False)  # a worker that stops reading must never block the supervisor
+            self.children[pid] = slot
+            self._ready_fds[pid] = ready_r
+            self._channels[pid] = ours
+        finally:  # a SIGTERM sent meanwhile now runs _stop, which sees this worker
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         log.info("worker %d started (pid %d)", slot, pid)
         if self.stopping:  # SIGTERM came while this one was being started: it stops with the rest
             os.kill(pid, signal.SIGTERM)
