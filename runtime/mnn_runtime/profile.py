@@ -39,6 +39,7 @@ SECRET_ENV = frozenset({ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV, "AWS_ACCESS_KEY_ID"
 MAX_RUNS = 1000  # the endpoint's bound: 1000 runs of v2-slow (two ~4 ms forwards each) took 8-15 s here
 DEFAULT_TIMEOUT = 60  # the endpoint's wall-clock limit of one profile, seconds (its ?timeout=)
 MAX_TIMEOUT = 600
+STOPPED = "the server is shutting down"  # why a profile is stopped by ``Profiler.stop``
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ class ProfileTimeout(InferenceError):
     """The profile ran past its wall-clock limit; its process was killed."""
 
     status_code = 504
+
+
+class ProfileStopped(InferenceError):
+    """The server (or this worker) is shutting down: the profile's process was killed."""
+
+    status_code = 503
 
 
 @dataclass(frozen=True)
@@ -252,13 +259,27 @@ class Profiler:
     (``python -m mnn_runtime.profile``). Not a thread: ``runSessionWithCallBackInfo`` holds the GIL
     from the first operator to the last, so a thread stalled the serving loop for whole operators
     (p99 of a v1 request 0.8 -> 115 ms while profiling a 426 ms forward). The child is killed when
-    its wall-clock limit passes or when the caller stops waiting (the HTTP client went away)."""
+    its wall-clock limit passes, when the caller stops waiting (the HTTP client went away) or at once
+    when the server shuts down (``stop``: its request answers 503 instead of holding the drain)."""
 
     def __init__(self) -> None:
-        self._busy = False  # touched only on the event loop
+        self._busy = False  # these three touched only on the event loop
+        self._child: asyncio.subprocess.Process | None = None  # the running profile's process
+        self._stopped = False
+
+    def stop(self) -> None:
+        """The server is shutting down: kill the running profile's process now (its request answers
+        503) and start no other."""
+        self._stopped = True
+        if self._child is not None and self._child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._child.kill()
+            log.info("profiling process %d killed: %s", self._child.pid, STOPPED)
 
     async def run(self, path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]],
                   timeout: float = DEFAULT_TIMEOUT) -> Profile:
+        if self._stopped:
+            raise ProfileStopped(f"{STOPPED}; the profile was stopped")
         if self._busy:
             raise ProfileBusy("a profile is already running in this process; try again when it is done")
         self._busy = True
@@ -279,18 +300,25 @@ class Profiler:
             raise ProfileError(f"cannot start the profiling process: {exc}") from None
         log.info("profiling %s: %d runs in process %d, time limit %g s", path, runs, proc.pid, timeout)
         why = "the caller stopped waiting"  # cancelled: the HTTP client went away
+        self._child = proc
         try:
+            if self._stopped:  # while it was being started
+                why = STOPPED
+                raise ProfileStopped(f"{STOPPED}; the profile was stopped")
             out, err = await asyncio.wait_for(proc.communicate(ask), timeout)
         except asyncio.TimeoutError:
             why = f"past its time limit of {timeout:g} s"
             raise ProfileTimeout(f"the profile ran past its time limit of {timeout:g} s (timeout={timeout:g}) and was "
                                  f"stopped: ask for fewer runs or a longer timeout (at most {MAX_TIMEOUT})") from None
         finally:
+            self._child = None
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
                 log.info("profiling process %d killed: %s", proc.pid, why)
+        if self._stopped and proc.returncode != 0:  # killed by ``stop`` (one done as it came answers)
+            raise ProfileStopped(f"{STOPPED}; the profile was stopped")
         try:
             answer = json.loads(out)
         except ValueError:

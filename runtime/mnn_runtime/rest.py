@@ -154,12 +154,12 @@ class V2Endpoints:
     """One method per OIP v2 REST endpoint."""
 
     def __init__(self, dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None,
-                 feedback_token: str | None = None) -> None:
+                 feedback_token: str | None = None, profiler: Profiler | None = None) -> None:
         self.dataplane = dataplane
         self.metrics = metrics
         self.admin_token = admin_token.encode() if admin_token is not None else None
         self.feedback_token = feedback_token.encode() if feedback_token is not None else None
-        self.profiler = Profiler()
+        self.profiler = profiler or Profiler()
 
     async def live(self) -> Response:
         return _obj({"live": self.dataplane.live()})
@@ -266,11 +266,12 @@ def _unauthorized(request: Request, token: bytes, realm: str) -> Response | None
 
 
 def create_app(dataplane: DataPlane, metrics: RuntimeMetrics, admin_token: str | None = None,
-               feedback_token: str | None = None) -> FastAPI:
+               feedback_token: str | None = None, profiler: Profiler | None = None) -> FastAPI:
     """Build the app and register every route explicitly; ``admin_token`` enables the admin
-    endpoints (profiling) for requests that carry it, ``feedback_token`` guards the feedback one."""
+    endpoints (profiling, by ``profiler``: the server stops it when it shuts down) for requests
+    that carry it, ``feedback_token`` guards the feedback one."""
     app = FastAPI(title="mnn-rollout runtime", version="v2", docs_url=None, redoc_url=None)
-    ep = V2Endpoints(dataplane, metrics, admin_token, feedback_token)
+    ep = V2Endpoints(dataplane, metrics, admin_token, feedback_token, profiler)
     app.add_api_route("/v2/health/live", ep.live, methods=["GET"])
     app.add_api_route("/v2/health/ready", ep.ready, methods=["GET"])
     app.add_api_route("/v2", ep.server_metadata, methods=["GET"])

@@ -35,6 +35,7 @@ from .idle import IdleUnloader
 from .workers_channel import (AGAIN_MESSAGE, ALIVE_MESSAGE, ALIVE_SECONDS, CONFIG_MESSAGE, CONNECTION,
                               GRPC_CONNECTION, MAX_CONFIG_BYTES, OFFLOAD_MESSAGE, RELOAD_MESSAGE, config_text,
                               receive, routing_of, send_message)
+from .profile import Profiler
 from .rest import create_app
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class Runtime:
     dataplane: DataPlane
     app: Any  # the ASGI app: the infer fast path in front of FastAPI
     source: Source
+    profiler: Profiler  # the admin endpoint's: stopped when the server shuts down
 
     def close(self) -> None:
         self.source.stop()
@@ -85,8 +87,9 @@ def _assemble(text: str, base_dir: Path | None, make_source: Callable[[ConfigApp
     source = make_source(_applier(metrics, registry.apply, config.model))
     source.prime(text)
     dataplane = DataPlane(registry, metrics)
-    app = create_app(dataplane, metrics, admin_token, feedback_token)
-    return Runtime(config, registry, metrics, dataplane, InferFastPath(app, dataplane), source)
+    profiler = Profiler()
+    app = create_app(dataplane, metrics, admin_token, feedback_token, profiler)
+    return Runtime(config, registry, metrics, dataplane, InferFastPath(app, dataplane), source, profiler)
 
 
 def build_runtime(config_path: Path, poll_interval: float = 0.2, admin_token: str | None = None,
@@ -246,8 +249,8 @@ class _Server(uvicorn.Server):
     uvicorn alone would close every idle kept-alive connection at once, and a client sending its
     next request on one at that moment loses it. Answering each connection's next request with
     ``Connection: close`` and closing it then loses none; a connection left idle until the end of
-    ``retire_grace`` is closed as uvicorn closes any idle one past its keep-alive timeout.
-    A second SIGTERM changes nothing; SIGINT still stops at once as uvicorn does.
+    ``retire_grace`` is closed as uvicorn closes any idle one past its keep-alive timeout. A running
+    profile (minutes, at most) is stopped at once: its request answers 503. A second SIGTERM changes nothing; SIGINT still stops at once as uvicorn does.
     """
 
     def __init__(self, config: uvicorn.Config, app: Any, channel: socket.socket | None, ready_fd: int | None,
@@ -262,6 +265,7 @@ class _Server(uvicorn.Server):
         self.ready_fd = ready_fd
         self.retire_grace = retire_grace
         self.grpc: GrpcServer | None = None  # serve --grpc-port: its connections come over ``channel`` too
+        self.profiler: Profiler | None = None  # a running profile is stopped at once when it shuts down
         self._loop: asyncio.AbstractEventLoop | None = None
         self._config_lost = False  # a config came without its file (no descriptor left): asked again
 
@@ -341,6 +345,8 @@ class _Server(uvicorn.Server):
             if not data and not fds:  # the supervisor is gone: finish what we hold, then exit
                 loop.remove_reader(self.channel.fileno())
                 log.error("the supervisor is gone; this worker drains and exits")
+                if self.profiler is not None:
+                    self.profiler.stop()
                 self.should_exit = True
                 return
             if flags & socket.MSG_CTRUNC:  # out of file descriptors: that connection is lost, not us
@@ -363,6 +369,8 @@ class _Server(uvicorn.Server):
             return
         self.app.draining = True
         loop = asyncio.get_running_loop()
+        if self.profiler is not None:  # it could run for minutes: the drain would wait for it, then cancel it
+            self.profiler.stop()
         if self.grpc is not None:  # gRPC clients move to another worker once their running calls end
             self.grpc.drain()
         if self.channel is not None:
@@ -423,6 +431,7 @@ def serve(runtime: Runtime, host: str, port: int, log_level: str = "info", chann
 
         server.routing = routing
     server.on_offload = runtime.registry.offload
+    server.profiler = runtime.profiler
     # uvicorn drains, restores the previous handlers and re-raises the signal it caught; a
     # handler that ignores it lets a graceful SIGTERM end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
