@@ -39,6 +39,7 @@ SECRET_ENV = frozenset({ADMIN_TOKEN_ENV, FEEDBACK_TOKEN_ENV, "AWS_ACCESS_KEY_ID"
 MAX_RUNS = 1000  # the endpoint's bound: 1000 runs of v2-slow (two ~4 ms forwards each) took 8-15 s here
 DEFAULT_TIMEOUT = 60  # the endpoint's wall-clock limit of one profile, seconds (its ?timeout=)
 MAX_TIMEOUT = 600
+NICE = 10  # how much less CPU priority the profiling child takes than its serving process
 STOPPED = "the server is shutting down"  # why a profile is stopped by ``Profiler.stop``
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,10 @@ def _exit_when_orphaned(parent: int, deadline: float) -> None:
 
 
 def _child() -> int:
-    """One profile asked as JSON on stdin, answered as JSON on stdout."""
+    """One profile asked as JSON on stdin, answered as JSON on stdout; at a lower CPU priority than
+    the serving process's (``NICE`` more), which keeps the cores it competes for."""
+    with contextlib.suppress(OSError):  # a profile runs all the same at the priority it has
+        os.nice(NICE)
     ask = json.loads(sys.stdin.buffer.read())
     deadline = time.monotonic() + float(ask["timeout"]) + 5
     threading.Thread(target=_exit_when_orphaned, args=(ask["parent"], deadline), daemon=True).start()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mnn_rollout.local.net import wait_for
+
 from tests.runtime.test_review3_profile import SLOW, gone, in_background, profiling_child, slow_beside_v1
 from tests.runtime.test_workers import all_serving
 
@@ -43,3 +45,27 @@ def test_a_shutdown_stops_a_running_profile_at_once_and_answers_503(tmp_path: Pa
         assert "Traceback" not in log and "CancelledError" not in log, log
         assert f"profiling process {child} killed: the server is shutting down" in log, log
         assert took < 6, f"exited {took:.1f} s after SIGTERM (the drain lasts up to 15 s)\n{log}"
+
+
+def nice(pid: int) -> int:
+    """A process's nice value (field 19 of /proc/PID/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_profiling_child_runs_at_a_lower_cpu_priority_than_its_worker(tmp_path: Path,
+                                                                          examples_dir: Path) -> None:
+    """The profiling child took a whole core at the worker's priority, competing with serving for
+    it; now it lowers its own (nice +10)."""
+    with slow_beside_v1(tmp_path, examples_dir, "--workers", "2") as srv:
+        all_serving(srv, tmp_path / "server.log")
+        thread, answers = in_background(srv.url + SLOW + "?runs=1000&timeout=600")
+        child = profiling_child(srv)
+        worker = parent(child)
+        assert "mnn_runtime.profile" not in Path(f"/proc/{worker}/cmdline").read_text()
+        wait_for(lambda: nice(child) >= nice(worker) + 10, 20, f"the profiling child {child} niced")
+    thread.join(timeout=30)  # the shutdown stopped it
+    assert answers and answers[0].status_code == 503, answers
