@@ -4,10 +4,10 @@ file it loads again, and the requests that wait for that load."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +125,11 @@ def test_a_request_that_gives_up_does_not_fail_the_others_waiting_for_the_same_l
     so the second (30 s deadline) failed too, and the load's thread died on InvalidStateError."""
     registry = Registry(two_versions(examples_dir), None, RuntimeMetrics("scorer"))
     assert registry.offload(["v2"], "idle") == ["v2"]
-    load, loading = registry._load, threading.Event()
+    load, loading, gave_up = registry._load, threading.Event(), threading.Event()
 
     def slow_load(spec: VersionSpec, old: VersionState | None) -> VersionState:
         loading.set()
-        time.sleep(0.5)
+        gave_up.wait(20)  # under way until the first request has given up
         return load(spec, old)
 
     registry._load = slow_load  # type: ignore[method-assign]
@@ -139,9 +139,12 @@ def test_a_request_that_gives_up_does_not_fail_the_others_waiting_for_the_same_l
         snap = registry.snapshot
         hasty = asyncio.ensure_future(plane._loaded(snap, "v2"))
         patient = asyncio.ensure_future(plane._loaded(snap, "v2"))
-        await asyncio.sleep(0.1)
-        assert loading.is_set()
+        # the load runs on a thread of the registry's: the first gives up while it is under way
+        assert await asyncio.to_thread(loading.wait, 20), "the load did not start in 20 s"
         hasty.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await hasty
+        gave_up.set()
         return await patient
 
     assert asyncio.run(two_waiters()).ready
