@@ -6,11 +6,13 @@ defaulters that walk a Deployment's pod template (its volumes, containers, probe
 of ``null`` is absent (decoded into Go, it is nil); a string or a probe count left empty or 0 is
 defaulted too, like Go's zero values. PodDisruptionBudget, ConfigMap, ServiceAccount and Role have
 no default that shows. Also shown, as a real server serializes it: a container's ``resources: {}``.
-The Service's cluster IP and IP families are allocated by the store (``service_addresses``).
-Not done: the defaults of volume sources the operator never renders (iscsi, rbd, azureDisk,
-scaleIO), the rounding of resource quantities to milli units, node ports.
+The Service's cluster IP, IP families and node ports are allocated by the store
+(``service_addresses``). Not done: the defaults of volume sources the operator never renders (iscsi,
+rbd, azureDisk, scaleIO), the rounding of resource quantities to milli units, a LoadBalancer
+Service's healthCheckNodePort.
 """
 import copy
+import random
 from typing import Any
 
 TEMPLATE_KINDS = {('apps/v1', 'Deployment')}
@@ -191,23 +193,113 @@ def service(spec: dict[str, Any]) -> None:
         _unset(spec, 'allocateLoadBalancerNodePorts', True)
 
 
-def service_addresses(spec: dict[str, Any], old_spec: dict[str, Any] | None, used: set[str]) -> None:
-    """What the Service registry allocates on a single-stack IPv4 cluster: a cluster IP (kept on
-    updates that leave it out, as the registry does), ``clusterIPs``, ``ipFamilies`` and
-    ``ipFamilyPolicy``; none for an ExternalName Service."""
-    if spec.get('type') == 'ExternalName':
-        return
-    if old_spec is not None and old_spec.get('type') != 'ExternalName':
-        for key in ('clusterIP', 'clusterIPs', 'ipFamilies', 'ipFamilyPolicy'):
-            if not spec.get(key) and old_spec.get(key):
-                spec[key] = old_spec[key]
-    if not spec.get('clusterIP'):
-        spec['clusterIP'] = next(f'{SERVICE_NETWORK}{n}' for n in range(2, 255) if f'{SERVICE_NETWORK}{n}' not in used)
-    if not spec.get('clusterIPs'):
+NODE_PORTS = (30000, 32767)  # --service-node-port-range's default
+NODE_PORTS_STATIC = 86  # the lower band taken last (min(max(16, size/32), 128) ports, KEP-3668)
+
+
+def _needs_node_ports(spec: dict[str, Any]) -> bool:
+    return spec.get('type') in ('NodePort', 'LoadBalancer')
+
+
+def _same_cluster_ips(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    return (old.get('clusterIP'), old.get('clusterIPs') or []) == (new.get('clusterIP'), new.get('clusterIPs') or [])
+
+
+def _node_ports(spec: dict[str, Any]) -> set[int]:
+    return {p['nodePort'] for p in _dicts(spec.get('ports')) if p.get('nodePort')}
+
+
+def service_addresses(spec: dict[str, Any], old_spec: dict[str, Any] | None, used_ips: set[str],
+                      used_ports: set[int]) -> list[tuple[str, str]]:
+    """What the Service registry does to a Service's allocated fields on a single-stack IPv4 cluster
+    (pkg/registry/core/service/storage: beginCreate, beginUpdate; strategy.go: dropTypeDependentFields),
+    before validation: an update that leaves out the cluster IP or a node port keeps the allocated one
+    (patchAllocatedValues), ``clusterIP`` and ``clusterIPs`` are kept in step (normalizeClusterIPs), a
+    change of type drops what the new type does not use when the update left it as it was; then a
+    cluster IP, ``clusterIPs``, ``ipFamilies`` and ``ipFamilyPolicy`` are allocated (none for an
+    ExternalName Service) and a node port per port of a NodePort or LoadBalancer Service (unless
+    ``allocateLoadBalancerNodePorts`` is false), unique in the cluster (``used_ports``: every other
+    Service's). Returns the allocation's errors (a requested node port taken or out of range), as the
+    allocator words them; changing an allocated address is refused by validation.service."""
+    if old_spec is not None:
+        if old_spec.get('type') != 'ExternalName' and spec.get('type') != 'ExternalName':  # patchAllocatedValues
+            if not spec.get('clusterIP'):
+                spec['clusterIP'] = old_spec.get('clusterIP')
+            if not spec.get('clusterIPs') and old_spec.get('clusterIPs'):
+                spec['clusterIPs'] = old_spec['clusterIPs']
+            for key in ('ipFamilies', 'ipFamilyPolicy'):
+                if not spec.get(key) and old_spec.get(key):
+                    spec[key] = old_spec[key]
+        if _needs_node_ports(old_spec) and _needs_node_ports(spec):
+            taken = _node_ports(old_spec) & _node_ports(spec)
+            by_name = {p.get('name', ''): p.get('nodePort') for p in _dicts(old_spec.get('ports'))}
+            for port in _dicts(spec.get('ports')):
+                kept = by_name.get(port.get('name', ''))
+                if not port.get('nodePort') and kept and kept not in taken:
+                    port['nodePort'] = kept
+        if old_spec.get('clusterIPs') and not spec.get('clusterIPs') \
+                and old_spec.get('clusterIP') == spec.get('clusterIP'):  # normalizeClusterIPs
+            spec['clusterIPs'] = old_spec['clusterIPs']
+        if old_spec.get('clusterIP') != spec.get('clusterIP') \
+                and (old_spec.get('clusterIPs') or []) == (spec.get('clusterIPs') or []):
+            spec['clusterIPs'] = [spec['clusterIP']] if spec.get('clusterIP') else None
+        if old_spec.get('type') != 'ExternalName' and spec.get('type') == 'ExternalName':  # dropTypeDependentFields
+            if _same_cluster_ips(old_spec, spec):
+                spec['clusterIP'] = spec['clusterIPs'] = None
+            for key in ('ipFamilies', 'ipFamilyPolicy'):
+                if spec.get(key) == old_spec.get(key):
+                    spec[key] = None
+        if _needs_node_ports(old_spec) and not _needs_node_ports(spec) and _node_ports(spec) <= _node_ports(old_spec):
+            for port in _dicts(spec.get('ports')):
+                port.pop('nodePort', None)
+        if _needs_node_ports(old_spec) and not _needs_node_ports(spec) \
+                and spec.get('externalTrafficPolicy') == old_spec.get('externalTrafficPolicy'):
+            spec.pop('externalTrafficPolicy', None)
+    elif spec.get('clusterIP') and not spec.get('clusterIPs'):
         spec['clusterIPs'] = [spec['clusterIP']]
-    _unset(spec, 'ipFamilies', ['IPv4'])
-    headless_without_selector = spec['clusterIP'] == 'None' and not spec.get('selector')
-    _unset(spec, 'ipFamilyPolicy', 'RequireDualStack' if headless_without_selector else 'SingleStack')
+    for key in ('clusterIP', 'clusterIPs', 'ipFamilies', 'ipFamilyPolicy'):
+        if spec.get(key) is None:
+            spec.pop(key, None)
+    if spec.get('type') != 'ExternalName':
+        if not spec.get('clusterIP'):
+            spec['clusterIP'] = next(f'{SERVICE_NETWORK}{n}' for n in range(2, 255)
+                                     if f'{SERVICE_NETWORK}{n}' not in used_ips)
+        if not spec.get('clusterIPs'):
+            spec['clusterIPs'] = [spec['clusterIP']]
+        _unset(spec, 'ipFamilies', ['IPv4'])
+        headless_without_selector = spec['clusterIP'] == 'None' and not spec.get('selector')
+        _unset(spec, 'ipFamilyPolicy', 'RequireDualStack' if headless_without_selector else 'SingleStack')
+    if spec.get('type') == 'NodePort' or (spec.get('type') == 'LoadBalancer'
+                                          and spec.get('allocateLoadBalancerNodePorts') is not False):
+        return _allocate_node_ports(spec, used_ports)
+    return []
+
+
+def _allocate_node_ports(spec: dict[str, Any], used: set[int]) -> list[tuple[str, str]]:
+    """The node port allocator (portallocator): a requested port must be in range and not another
+    Service's (``used``); a port without one gets a random free one, from the upper band first."""
+    low, high = NODE_PORTS
+    errors, taken = [], set(used)
+    ports = _dicts(spec.get('ports'))
+    for n, port in enumerate(ports):
+        wanted = port.get('nodePort')
+        if not wanted or not isinstance(wanted, int):
+            continue
+        if not low <= wanted <= high:
+            errors.append((f'spec.ports[{n}].nodePort', f'Invalid value: {wanted}: provided port is not in the '
+                                                        f'valid range. The range of valid ports is {low}-{high}'))
+        elif wanted in used:
+            errors.append((f'spec.ports[{n}].nodePort', f'Invalid value: {wanted}: provided port is already allocated'))
+        taken.add(wanted)
+    if errors:
+        return errors
+    for port in ports:
+        if not port.get('nodePort'):
+            free = [p for p in range(low + NODE_PORTS_STATIC, high + 1) if p not in taken] \
+                or [p for p in range(low, low + NODE_PORTS_STATIC) if p not in taken]
+            port['nodePort'] = random.choice(free)
+            taken.add(port['nodePort'])
+    return errors
 
 
 # --- rbac/v1, autoscaling/v2 ---------------------------------------------------------------------

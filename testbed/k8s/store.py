@@ -183,8 +183,24 @@ class Store(Lifecycle):
             schema.unknown_fields(obj, prune=True)
             defaults.apply(obj)
             quantity.canonicalize(obj)
+        if (rd.group, rd.plural) == ('', 'services') and isinstance(obj.get('spec'), dict):
+            self._allocate_service(obj, old)
         self._validate_meta(rd, obj, old)
         return obj
+
+    def _allocate_service(self, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """The Service registry's allocation of addresses and node ports, before validation as on a
+        real server (its beginCreate/beginUpdate hooks run before the strategy's validation)."""
+        meta = obj['metadata']
+        others = [o for key, o in self.objects.of('', 'services')
+                  if (key[2], key[3]) != (meta.get('namespace'), meta.get('name'))]
+        specs = [o.get('spec') or {} for o in others]
+        ips = {str(s.get('clusterIP')) for s in specs}
+        ports = {p['nodePort'] for s in specs for p in s.get('ports') or []
+                 if isinstance(p, dict) and p.get('nodePort')}
+        causes = defaults.service_addresses(obj['spec'], (old or {}).get('spec'), ips, ports)
+        if causes:
+            raise ApiError.invalid('Service', meta.get('name', ''), causes)
 
     # --- create ----------------------------------------------------------------------------------
 
@@ -278,9 +294,6 @@ class Store(Lifecycle):
             obj['status'] = {**(obj.get('status') or {}), 'phase': phase}
         if (rd.group, rd.plural) == ('apiextensions.k8s.io', 'customresourcedefinitions'):
             self._admit_crd(obj)
-        if (rd.group, rd.plural) == ('', 'services') and isinstance(obj.get('spec'), dict):
-            used = {str((o.get('spec') or {}).get('clusterIP')) for _, o in self.objects.of('', 'services')}
-            defaults.service_addresses(obj['spec'], (old or {}).get('spec'), used)
         if (rd.group, rd.plural) == ('', 'secrets'):
             if not obj.get('type'):
                 obj['type'] = 'Opaque'

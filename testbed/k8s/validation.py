@@ -220,14 +220,50 @@ def deployment(obj: dict[str, Any], old: dict[str, Any] | None) -> Causes:
     return causes
 
 
+def _go_strings(values: Any) -> str:
+    """A []string as the server's field errors print it (Go's %#v)."""
+    if not values:
+        return '[]string(nil)'
+    return '[]string{' + ', '.join(json.dumps(v) for v in values) + '}'
+
+
 def service(obj: dict[str, Any], old: dict[str, Any] | None) -> Causes:
-    causes = []
-    for n, port in enumerate((obj.get('spec') or {}).get('ports') or []):
+    spec, causes = obj.get('spec') or {}, []
+    node_ports: set[tuple[Any, Any]] = set()
+    for n, port in enumerate(spec.get('ports') or []):
         for key in ('port', 'targetPort'):
             value = port.get(key)
             if isinstance(value, int) and not 1 <= value <= 65535:
                 causes.append(invalid(f'spec.ports[{n}].{key}', value, 'must be between 1 and 65535, inclusive'))
+        if port.get('nodePort') and spec.get('type') == 'ClusterIP':
+            causes.append((f'spec.ports[{n}].nodePort', "Forbidden: may not be used when `type` is 'ClusterIP'"))
+        elif port.get('nodePort'):
+            if (port.get('protocol'), port['nodePort']) in node_ports:
+                causes.append((f'spec.ports[{n}].nodePort', f'Duplicate value: {port["nodePort"]}'))
+            node_ports.add((port.get('protocol'), port['nodePort']))
+    if old is not None:
+        causes += _cluster_ips_update(old.get('spec') or {}, spec)
     return causes
+
+
+def _cluster_ips_update(old: dict[str, Any], new: dict[str, Any]) -> Causes:
+    """validateUpgradeDowngradeClusterIPs (ValidateServiceUpdate): the allocated cluster IPs may not
+    change (nor become or stop being "None"), but to or from an ExternalName Service."""
+    if 'ExternalName' in (old.get('type'), new.get('type')) or old.get('clusterIP') == new.get('clusterIP') == 'None':
+        return []
+    before, after = old.get('clusterIPs') or [], new.get('clusterIPs') or []
+    field, shown = 'spec.clusterIPs[0]', _go_strings(after)
+    if len(before) == len(after):
+        return [(field, f'Invalid value: {shown}: may not change once set') for a, b in zip(before, after) if a != b]
+    if len(before) > len(after):
+        causes = [] if after else [(field, f'Invalid value: {shown}: primary clusterIP can not be unset')]
+        if after and after[0] != before[0]:
+            causes.append((field, f'Invalid value: {shown}: may not change once set'))
+        if len(after) == 1 and new.get('ipFamilyPolicy') != 'SingleStack':
+            causes.append((field, f"Invalid value: {shown}: `ipFamilyPolicy` must be set to 'SingleStack' when "
+                                  'releasing the secondary clusterIP'))
+        return causes
+    return [(field, f'Invalid value: {shown}: may not change once set')] if before and after[0] != before[0] else []
 
 
 def hpa(obj: dict[str, Any], old: dict[str, Any] | None) -> Causes:
