@@ -5,11 +5,11 @@ functions of pkg/apis/apps/v1, core/v1, rbac/v1 and autoscaling/v2, through the 
 defaulters that walk a Deployment's pod template (its volumes, containers, probes, env). A value
 of ``null`` is absent (decoded into Go, it is nil); a string or a probe count left empty or 0 is
 defaulted too, like Go's zero values. PodDisruptionBudget, ConfigMap, ServiceAccount and Role have
-no default that shows. Also shown, as a real server serializes it: a container's ``resources: {}``.
-The Service's cluster IP, IP families and node ports are allocated by the store
-(``service_addresses``). Not done: the defaults of volume sources the operator never renders (iscsi,
-rbd, azureDisk, scaleIO), the rounding of resource quantities to milli units, a LoadBalancer
-Service's healthCheckNodePort.
+no default that shows. Also shown, as a real server serializes it: a container's ``resources: {}``
+and a pod template's ``metadata.creationTimestamp: null``. The Service's cluster IP, IP families
+and node ports are allocated by the store (``service_addresses``). Not done: the defaults of volume
+sources the operator never renders (iscsi, rbd, azureDisk, scaleIO), the rounding of resource
+quantities to milli units, a LoadBalancer Service's healthCheckNodePort.
 """
 import copy
 import random
@@ -20,9 +20,27 @@ RBAC_GROUP = 'rbac.authorization.k8s.io'
 SERVICE_NETWORK = '10.96.0.'  # the cluster IPs allocated (10.96.0.1 is the kubernetes Service's)
 
 
+# The ObjectMeta a kind holds besides its own (pod templates, claim templates), as paths; ``[]`` is
+# every item of a list. Each is a struct in Go, and its zero creationTimestamp (metav1.Time, a struct
+# too, which ``omitempty`` does not omit) is written as null: ``creationTimestamp: null``.
+_TEMPLATE = ['spec', 'template']
+TEMPLATE_META: dict[tuple[str, str], list[list[str]]] = {
+    ('apps/v1', 'Deployment'): [_TEMPLATE], ('apps/v1', 'ReplicaSet'): [_TEMPLATE],
+    ('apps/v1', 'DaemonSet'): [_TEMPLATE], ('apps/v1', 'StatefulSet'): [_TEMPLATE, ['spec', 'volumeClaimTemplates[]']],
+    ('batch/v1', 'Job'): [_TEMPLATE], ('batch/v1', 'CronJob'): [['spec', 'jobTemplate'],
+                                                             ['spec', 'jobTemplate', 'spec', 'template']],
+    ('v1', 'PodTemplate'): [['template']], ('v1', 'ReplicationController'): [_TEMPLATE],
+}
+
+
 def apply(obj: dict[str, Any]) -> None:
     """Fill, in place, what the API server defaults in ``obj`` (its apiVersion and kind set)."""
     kind = (obj.get('apiVersion'), obj.get('kind'))
+    for path in TEMPLATE_META.get((str(kind[0]), str(kind[1])), ()):
+        for holder in _holders(obj, path):
+            meta = _struct(holder, 'metadata')
+            if meta is not None:
+                meta.setdefault('creationTimestamp', None)
     spec = obj.get('spec')
     if kind in TEMPLATE_KINDS and isinstance(spec, dict):
         deployment(spec)
@@ -53,6 +71,20 @@ def _dicts(value: Any) -> list[dict[str, Any]]:
 def _dict(obj: dict[str, Any], key: str) -> dict[str, Any] | None:
     value = obj.get(key)
     return value if isinstance(value, dict) else None
+
+
+def _holders(obj: dict[str, Any], path: list[str]) -> list[dict[str, Any]]:
+    """The objects at ``path``, each a struct (made when absent) but for a list's items and a
+    ReplicationController's template (a pointer: only when given)."""
+    nodes = [obj]
+    for n, part in enumerate(path):
+        if part.endswith('[]'):
+            nodes = [item for node in nodes for item in _dicts(node.get(part[:-2]))]
+        elif obj.get('kind') == 'ReplicationController' and n == len(path) - 1:
+            nodes = [found for node in nodes if (found := _dict(node, part)) is not None]
+        else:
+            nodes = [found for node in nodes if (found := _struct(node, part)) is not None]
+    return nodes
 
 
 def _struct(obj: dict[str, Any], key: str) -> dict[str, Any] | None:

@@ -105,3 +105,28 @@ def test_an_update_keeps_the_allocated_node_ports_and_a_change_to_cluster_ip_dro
     status, body = api.request('POST', url, service('bad', ports=[{'name': 'h', 'port': 80, 'nodePort': 30500}]))
     assert status == 422 and causes(body) == {
         'spec.ports[0].nodePort': "Forbidden: may not be used when `type` is 'ClusterIP'"}, body
+
+
+# --- 3. creationTimestamp: null in pod templates ---------------------------------------------------
+
+def deployment(name: str, container: dict | None = None, **pod: object) -> dict:
+    return {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'metadata': {'name': name},
+            'spec': {'selector': {'matchLabels': {'app': name}},
+                     'template': {'metadata': {'labels': {'app': name}},
+                                  'spec': {'containers': [container or {'name': 'c', 'image': 'x:1'}], **pod}}}}
+
+
+def test_a_pod_template_is_stored_and_served_with_creation_timestamp_null(api, ns):
+    body = ok(api.request('POST', DEPLOYMENTS.format(ns=ns), deployment('d')), 201)
+    assert body['spec']['template']['metadata'] == {'creationTimestamp': None, 'labels': {'app': 'd'}}
+    out = api.kubectl('get', 'deployment', 'd', '-n', ns, '-o', 'yaml').stdout
+    assert '  template:\n    metadata:\n      creationTimestamp: null\n      labels:\n        app: d\n' in out, out
+    job = {'apiVersion': 'batch/v1', 'kind': 'Job', 'metadata': {'name': 'j'},
+           'spec': {'template': {'spec': {'restartPolicy': 'Never', 'containers': [{'name': 'c', 'image': 'x:1'}]}}}}
+    stored = ok(api.request('POST', f'/apis/batch/v1/namespaces/{ns}/jobs', job), 201)
+    assert stored['spec']['template']['metadata'] == {'creationTimestamp': None}
+    # not a field anyone owns, nor a change: the same apply twice writes once
+    first = ok(api.request('PATCH', DEPLOYMENTS.format(ns=ns) + '/d?fieldManager=m&force=true', deployment('d'), APPLY))
+    again = ok(api.request('PATCH', DEPLOYMENTS.format(ns=ns) + '/d?fieldManager=m&force=true', deployment('d'), APPLY))
+    assert again['metadata']['resourceVersion'] == first['metadata']['resourceVersion']
+    assert 'creationTimestamp' not in str(again['metadata']['managedFields'])
