@@ -7,9 +7,10 @@ of ``null`` is absent (decoded into Go, it is nil); a string or a probe count le
 defaulted too, like Go's zero values. PodDisruptionBudget, ConfigMap, ServiceAccount and Role have
 no default that shows. Also shown, as a real server serializes it: a container's ``resources: {}``
 and a pod template's ``metadata.creationTimestamp: null``. The Service's cluster IP, IP families
-and node ports are allocated by the store (``service_addresses``). Not done: the defaults of volume
-sources the operator never renders (iscsi, rbd, azureDisk, scaleIO), the rounding of resource
-quantities to milli units, a LoadBalancer Service's healthCheckNodePort.
+and node ports are allocated by the store (``service_addresses``); resource lists are rounded up
+to milli units with the rest of quantity.py's canonical forms. Not done: the defaults of volume
+sources the operator never renders (iscsi, rbd, azureDisk, scaleIO), a LoadBalancer Service's
+healthCheckNodePort.
 """
 import copy
 import random

@@ -10,7 +10,9 @@ re-expressed with the largest suffix of its format that leaves an integer (``150
 ``2000`` is ``2k``, ``1.5`` is ``1500m``); a binary value below 1024 in magnitude or not a whole
 number is written as a decimal one (``0.5Ki`` is ``512``); binary values are capped at 2^63-1; zero
 is ``0``. A few strings the parser's fast path recognises as canonical are kept as sent (``+1``,
-``1E3``), as the server does. JSON numbers are read from their text (``0.5`` is ``500m``).
+``1E3``), as the server does. JSON numbers are read from their text (``0.5`` is ``500m``). The
+values of a ResourceList (requests, limits, overhead, a quota's hard limits) are first rounded up,
+away from zero, to milli units by the server's defaulting: ``100u`` and ``1n`` are ``1m``.
 """
 from __future__ import annotations
 
@@ -154,17 +156,31 @@ def _canonical(q: Quantity) -> str:
     return f'{mantissa}e{exponent}' if exponent else str(mantissa)
 
 
-def canonical(value: Any) -> str:
-    """The canonical form of a quantity as sent in JSON (a string or a number)."""
+def round_up(q: Quantity, exponent: int = -3) -> Quantity:
+    """Quantity.RoundUp: finer values rounded away from zero to ``10**exponent`` (the text kept as
+    sent only when nothing was rounded)."""
+    if q.exponent >= exponent:
+        return q
+    whole, rest = divmod(abs(q.mantissa), 10**(exponent - q.exponent))
+    whole += 1 if rest else 0
+    return Quantity(whole if q.mantissa >= 0 else -whole, exponent, q.format)
+
+
+def canonical(value: Any, milli: bool = False) -> str:
+    """The canonical form of a quantity as sent in JSON (a string or a number); ``milli``: an item
+    of a ResourceList, which the server's defaulting rounds up to milli units first
+    (SetDefaults_ResourceList in pkg/apis/core/v1/defaults.go: ``1n`` is ``1m``)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise QuantityError(FORMAT_WRONG)
     text = value.strip() if isinstance(value, str) else json.dumps(value)
-    return str(parse(text))
+    q = parse(text)
+    return str(round_up(q) if milli else q)
 
 
 # --- where built-in kinds hold quantities ---------------------------------------------------------
 
 # Paths of a pod spec: ``[]`` is every item of a list, ``*`` every value of a map, ``?`` every field.
+# A map's values (``*``) are those of a ResourceList: rounded up to milli units (``canonical``).
 _POD_SPEC = ['containers[].resources.requests.*', 'containers[].resources.limits.*',
              'initContainers[].resources.requests.*', 'initContainers[].resources.limits.*',
              'containers[].env[].valueFrom.resourceFieldRef.divisor',
@@ -195,15 +211,16 @@ def canonicalize(obj: dict[str, Any]) -> None:
     """Rewrite every quantity of a built-in object in canonical form, in place; a value that is not
     a quantity fails the request as the server's decoding does (400, naming the field too)."""
     for spec in PATHS.get(str(obj.get('kind')), ()):
-        _visit(obj, spec.split('.'), '', lambda holder, key, path: _rewrite(obj, holder, key, path))
+        milli = spec.endswith('.*')
+        _visit(obj, spec.split('.'), '', lambda holder, key, path: _rewrite(obj, holder, key, path, milli))
 
 
-def _rewrite(obj: dict[str, Any], holder: Any, key: Any, path: str) -> None:
+def _rewrite(obj: dict[str, Any], holder: Any, key: Any, path: str, milli: bool) -> None:
     value = holder[key]
     if value is None:
         return
     try:
-        holder[key] = canonical(value)
+        holder[key] = canonical(value, milli)
     except QuantityError as exc:
         version = str(obj.get('apiVersion', '')).rpartition('/')[2]
         raise ApiError.bad_request(f'{obj["kind"]} in version "{version}" cannot be handled as a {obj["kind"]}: '

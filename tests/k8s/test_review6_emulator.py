@@ -130,3 +130,21 @@ def test_a_pod_template_is_stored_and_served_with_creation_timestamp_null(api, n
     again = ok(api.request('PATCH', DEPLOYMENTS.format(ns=ns) + '/d?fieldManager=m&force=true', deployment('d'), APPLY))
     assert again['metadata']['resourceVersion'] == first['metadata']['resourceVersion']
     assert 'creationTimestamp' not in str(again['metadata']['managedFields'])
+
+
+# --- 4. resource lists rounded up to milli units ----------------------------------------------------
+
+def test_requests_and_limits_are_rounded_up_to_milli_units_and_stored_canonically(api, ns):
+    resources = {'requests': {'cpu': '100u', 'memory': 0.5, 'ephemeral-storage': '1.5Gi'},
+                 'limits': {'cpu': '1000m', 'memory': '1Gi', 'example.com/dev': '1n'}}
+    container = {'name': 'c', 'image': 'x:1', 'resources': resources}
+    sent = deployment('q', container, volumes=[{'name': 'v', 'emptyDir': {'sizeLimit': '100u'}}])
+    pod_spec = ok(api.request('POST', DEPLOYMENTS.format(ns=ns), sent), 201)['spec']['template']['spec']
+    assert pod_spec['containers'][0]['resources'] == {
+        'requests': {'cpu': '1m', 'memory': '500m', 'ephemeral-storage': '1536Mi'},
+        'limits': {'cpu': '1', 'memory': '1Gi', 'example.com/dev': '1m'}}
+    assert pod_spec['volumes'][0]['emptyDir'] == {'sizeLimit': '100u'}  # a Quantity, not a ResourceList
+    pod = {'apiVersion': 'v1', 'kind': 'Pod', 'metadata': {'name': 'p'},
+           'spec': {'containers': [{'name': 'c', 'image': 'x:1', 'resources': {'requests': {'cpu': '0.0001'}}}]}}
+    stored = ok(api.request('POST', f'/api/v1/namespaces/{ns}/pods', pod), 201)
+    assert stored['spec']['containers'][0]['resources'] == {'requests': {'cpu': '1m'}}
