@@ -21,7 +21,8 @@ Replaced, because they could not be fixed by small overrides:
   CRD schemas (``schema.py``: pruning, defaulting, validation), the quantities of built-in kinds
   (``quantity.py``: parsed, stored in canonical form, ``1024Mi`` as ``1Gi``), the server's own validation of
   metadata and of the built-in kinds the operator writes (``validation.py``), the API server's defaults of those
-  kinds (``defaults.py``: a Deployment's strategy and pod template, a Service's ports and cluster IP, ...) and
+  kinds (``defaults.py``: a Deployment's strategy and pod template, a Service's ports, cluster IP and node ports,
+  ...) and
   their unknown fields (dropped with a ``Warning`` header, or refused with ``fieldValidation=Strict``; an apply
   that has one fails, ``schema.py``, ``store.py``), protobuf bodies of a few core kinds
   (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
@@ -36,7 +37,7 @@ manager owns with a different value is a 409 Conflict naming the field and the m
 removed unless another manager owns it too. Simplified, compared with a real API server:
 
 * list semantics: maps are walked, lists are atomic except the keyed lists of the built-in kinds
-  that patching.MERGE_KEYS names (containers by name, ports by port number alone, env, volumes,
+  that patching.MERGE_KEYS names (containers by name, ports by port and protocol, env, volumes,
   conditions, ...) and the set ``metadata.finalizers``; a custom resource's lists are atomic except
   ownerReferences/finalizers (x-kubernetes-list-type/-map-keys of the CRD are not read);
 * ownership comes from the applied configuration as sent: defaulted fields are not owned, pruned

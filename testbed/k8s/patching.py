@@ -38,6 +38,8 @@ MERGE_KEYS: dict[str, str] = {
 }
 # Lists of primitives merged as sets.
 SET_LISTS = {'finalizers'}
+# Server-side apply's keys of ports (listMapKeys): containerPort or port, and protocol, which has a default.
+KEY_DEFAULTS = {'protocol': 'TCP'}
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -188,16 +190,31 @@ def _list_keys(field: str, items: list[Any], custom: bool) -> list[str] | str | 
         return 'v'
     if custom and field != 'ownerReferences':
         return None
-    key = MERGE_KEYS.get(field)
-    if field == 'ports' and items and all(isinstance(i, dict) for i in items):
-        key = 'containerPort' if any('containerPort' in i for i in items) else 'port'
-    if not key or not all(isinstance(i, dict) and key in i for i in items):
+    keys = [MERGE_KEYS[field]] if MERGE_KEYS.get(field) else []
+    if field == 'ports' and items and all(isinstance(i, dict) for i in items):  # listMapKeys of both kinds
+        keys = ['containerPort' if any('containerPort' in i for i in items) else 'port', 'protocol']
+    if not keys or not all(isinstance(i, dict) and all(k in i or k in KEY_DEFAULTS for k in keys) for i in items):
         return None
-    return [key]
+    return keys
+
+
+def _key_values(item: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """An item's key fields, a key it leaves out at its default (as structured-merge-diff reads
+    a list map key that has a default: a port without ``protocol`` is the TCP one)."""
+    return {k: item[k] if k in item else KEY_DEFAULTS[k] for k in keys}
 
 
 def _item_key(item: dict[str, Any], keys: list[str]) -> str:
-    return 'k:' + _j({k: item[k] for k in keys})
+    return 'k:' + _j(_key_values(item, keys))
+
+
+def item_selector(field: str, item: Any) -> str | None:
+    """How server-side apply names an item of a keyed list in its errors, by its key fields sorted
+    (``name="app"``, ``containerPort=8080,protocol="TCP"``); None for an item of another list."""
+    keys = _list_keys(field, [item], custom=False)
+    if not isinstance(keys, list):
+        return None
+    return ','.join(f'{k}={json.dumps(v)}' for k, v in sorted(_key_values(item, keys).items()))
 
 
 def field_set(obj: dict[str, Any], custom: bool) -> dict[Path, Any]:

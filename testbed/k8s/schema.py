@@ -11,7 +11,7 @@ import copy
 import functools
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
 from . import cel
 
@@ -280,16 +280,15 @@ def json_path(path: Path) -> str:
     return ''.join(f'[{p}]' if isinstance(p, int) else f'.{p}' for p in path).lstrip('.')
 
 
-def typed_path(obj: Any, path: Path, merge_keys: dict[str, str]) -> str:
+def typed_path(obj: Any, path: Path, selector: Callable[[str, Any], str | None]) -> str:
     """``.spec.template.spec.containers[name="app"].foo``, as server-side apply names a field: an
-    item of a list merged by key by its key (``merge_keys``: list field -> key), else by index."""
+    item of a keyed list by its keys (``selector(list field, item)``), else by index."""
     out, parent = '', ''
     for part in path:
         if isinstance(part, int):
             item = obj[part] if isinstance(obj, list) else None
-            key = merge_keys.get(parent, '')
-            value = item.get(key) if isinstance(item, dict) and key else None
-            out += f'[{key}={json.dumps(value)}]' if value is not None else f'[{part}]'
+            keys = selector(parent, item)
+            out += f'[{keys}]' if keys else f'[{part}]'
             obj = item
         else:
             out += f'.{part}'

@@ -141,7 +141,8 @@ class Store(Lifecycle):
         if operation == 'apply':
             meta = obj.get('metadata') or {}
             name = '/'.join(filter(None, (meta.get('namespace'), meta.get('name'))))
-            errors = [f'{schema.typed_path(body, p, patching.MERGE_KEYS)}: field not declared in schema' for p in found]
+            errors = [f'{schema.typed_path(body, p, patching.item_selector)}: field not declared in schema'
+                      for p in found]
             text = errors[0] if len(errors) == 1 else 'errors:\n' + '\n'.join(f'  {e}' for e in errors)
             raise ApiError(500, 'InternalError', f'failed to create typed patch object ({name}; '
                                                  f'{rd.group}/{rd.version}, Kind={rd.kind}): {text}')

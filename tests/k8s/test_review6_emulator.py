@@ -148,3 +148,33 @@ def test_requests_and_limits_are_rounded_up_to_milli_units_and_stored_canonicall
            'spec': {'containers': [{'name': 'c', 'image': 'x:1', 'resources': {'requests': {'cpu': '0.0001'}}}]}}
     stored = ok(api.request('POST', f'/api/v1/namespaces/{ns}/pods', pod), 201)
     assert stored['spec']['containers'][0]['resources'] == {'requests': {'cpu': '1m'}}
+
+
+# --- 5. how a field inside a list is named ----------------------------------------------------------
+
+def test_validation_names_a_list_item_by_index_and_apply_by_its_keys(api, ns):
+    url = DEPLOYMENTS.format(ns=ns)
+    status, body = api.request('POST', url, deployment('v', {'name': 'runtime', 'image': ''}))
+    assert status == 422 and causes(body) == {'spec.template.spec.containers[0].image': 'Required value'}, body
+    port = {'name': 'http', 'containerPort': 8080}
+    ok(api.request('PATCH', f'{url}/d?fieldManager=a', deployment('d', {'name': 'runtime', 'image': 'x:1',
+                                                                      'ports': [port]}), APPLY), 201)
+    managed = ok(api.request('GET', f'{url}/d'))['metadata']['managedFields']
+    container = managed[0]['fieldsV1']['f:spec']['f:template']['f:spec']['f:containers']['k:{"name":"runtime"}']
+    assert container['f:ports'] == {'k:{"containerPort":8080,"protocol":"TCP"}': {
+        '.': {}, 'f:containerPort': {}, 'f:name': {}}}, container
+    other = deployment('d', {'name': 'runtime', 'image': 'x:2', 'ports': [{**port, 'name': 'web'}]})
+    status, body = api.request('PATCH', f'{url}/d?fieldManager=b', other, APPLY)
+    assert status == 409, body
+    assert body['message'] == (
+        'Apply failed with 2 conflicts: conflicts with "a" using apps/v1:\n'
+        '- .spec.template.spec.containers[name="runtime"].image\n'
+        '- .spec.template.spec.containers[name="runtime"].ports[containerPort=8080,protocol="TCP"].name')
+    # the same port with its protocol given is the same item: no conflict, and b owns it too
+    same = deployment('d', {'name': 'runtime', 'image': 'x:1', 'ports': [{**port, 'protocol': 'TCP'}]})
+    ok(api.request('PATCH', f'{url}/d?fieldManager=b', same, APPLY))
+    bogus = deployment('d', {'name': 'runtime', 'image': 'x:1', 'ports': [{**port, 'bogus': 1}]})
+    status, body = api.request('PATCH', f'{url}/d?fieldManager=a', bogus, APPLY)
+    assert status == 500, body
+    assert body['message'].endswith('.spec.template.spec.containers[name="runtime"].ports[containerPort=8080,'
+                                    'protocol="TCP"].bogus: field not declared in schema'), body
