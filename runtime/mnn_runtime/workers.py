@@ -98,7 +98,8 @@ class Supervisor(WorkerPool):
         self.hang_timeout, self.load_timeout = hang_timeout, load_timeout
         self._loading: tuple[int, float] | None = None  # the process inside a model load, since when (seen)
         self._heard: dict[int, float] = {}  # serving worker -> when it last wrote (ALIVE_MESSAGE, ...)
-        self._forked: dict[int, float] = {}  # worker not serving yet -> when it was started
+        # worker not serving yet -> when it was started, and when its ready clock started (_overdue)
+        self._forked: dict[int, tuple[float, float]] = {}
         self._awaited: int | None = None  # the replacement a roll waits for (killed by the roll if need be)
         self.apply = apply
         self.reload = reload  # load again versions a worker loaded for a request; True: replace the workers
@@ -134,7 +135,8 @@ class Supervisor(WorkerPool):
         return self._loader is None  # never fork while the loader is inside MNN
 
     def _started(self, pid: int, channel: socket.socket) -> None:
-        self._forked[pid] = time.monotonic()
+        now = time.monotonic()
+        self._forked[pid] = (now, now)
         self._routing_changed = True  # it lags until it says (and counts once it serves: _publish)
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
             if not send_config(pid, channel, self._deferred[1]):  # (the newest sent: _forward_pending)
@@ -298,24 +300,25 @@ class Supervisor(WorkerPool):
         """Kill every serving worker silent for ``hang_timeout`` (what it wrote meanwhile, read
         first: this loop may have been the slow one), and every worker not serving ``ready_timeout``
         after it was started (at start or after a death: one stuck before it serves would else stay
-        for ever, a slot short, and the pod's status saying its workers differ); each is replaced
-        as one that died. A roll's replacement is the roll's to kill (``_roll``). Neither clock runs
-        while a model load is under way: MNN's load holds the GIL throughout (a worker's loop says
-        nothing for as long as it takes: a big model's can take more than ``hang_timeout``), and a
-        worker about to serve may be waiting for the pod's one load at a time (``engine``); for at
-        most ``load_timeout``."""
+        for ever, a slot short, and the pod's status saying its workers differ; ``_overdue``); each is
+        replaced as one that died. A roll's replacement is the roll's to kill (``_roll``). Neither
+        clock runs while a model load is under way: MNN's load holds the GIL throughout (a worker's
+        loop says nothing for as long as it takes: a big model's can take more than
+        ``hang_timeout``), and a worker about to serve may be waiting for the pod's one load at a
+        time (``engine``); for at most ``load_timeout`` (one load; a starting worker's, all of them)."""
         loading = self._in_load(now)
-        for pid, forked in list(self._forked.items()):
+        for pid, (started, since) in list(self._forked.items()):
             if pid not in self.children or pid in self.ready or pid in self.retiring:
                 del self._forked[pid]
-            elif loading is not None:  # its own load, or one it may wait for
-                self._forked[pid] = now
-            elif now - forked >= self.ready_timeout and pid != self._awaited:
+                continue
+            if loading is not None:  # its own load, or one it may wait for
+                self._forked[pid] = (started, now)
+            why = self._overdue(pid, now)
+            if why is not None and pid != self._awaited:
                 fd = self._ready_fds.get(pid)
                 if fd is not None and select.select([fd], [], [], 0)[0]:
                     continue  # it said it serves (or died): read by this loop next
-                self._kill_stuck(pid, f"does not serve {now - forked:.0f} s after it was started (stuck before it "
-                                      f"serves)")
+                self._kill_stuck(pid, why)
         for pid in [p for p in self._heard if p not in self.children or p in self.retiring]:
             del self._heard[pid]
         for pid, heard in list(self._heard.items()):
@@ -328,6 +331,23 @@ class Supervisor(WorkerPool):
             if self._heard[pid] != heard:
                 continue
             self._kill_stuck(pid, f"has not answered for {now - heard:.0f} s (its loop is stuck)")
+
+    def _overdue(self, pid: int, now: float, started: float | None = None) -> str | None:
+        """Why worker ``pid``, started (at ``started``, else when ``_started`` saw it) and not
+        serving yet, is given up now, or None while it has time: ``ready_timeout`` counted from the
+        end of the last model load seen in the pod (``_kill_hung`` moves its clock on during one: it
+        may have had to wait for it), but ``ready_timeout + load_timeout`` from its start whatever
+        loads run (else loads back to back kept it waiting for ever). For every worker starting,
+        a roll's (``_roll``) as one started at the pod's start or after a death."""
+        forked, since = self._forked.get(pid, (now, now))
+        started = forked if started is None else started
+        cap = self.ready_timeout + self.load_timeout
+        if now - started >= cap:
+            return (f"does not serve {now - started:.0f} s after it was started, model loads in the pod included "
+                    f"(at most ready_timeout + load_timeout, {cap:g} s)")
+        if now - max(since, started) >= self.ready_timeout:
+            return f"does not serve {now - started:.0f} s after it was started (stuck before it serves)"
+        return None
 
     def _kill_stuck(self, pid: int, why: str) -> None:
         """Kill worker ``pid``, judged stuck (``why``, logged), and count it as serving no longer (no
@@ -479,19 +499,19 @@ class Supervisor(WorkerPool):
 
     def _roll(self) -> None:
         """Replace every worker by one forked now (sharing what was just loaded), one at a time.
-        A replacement has ``ready_timeout`` to serve, counted (as for any worker starting:
-        ``_kill_hung``) from the end of the last model load seen in the pod, which it may have had
-        to wait for (one at a time), for at most ``load_timeout`` more; else the old one is kept."""
+        A replacement has the time any worker starting has (``_overdue``), counted from this
+        roll's start of it (one that died before serving is followed by its own replacement); else
+        the old one is kept."""
         gc.freeze()
         for old, slot in sorted(self.children.items(), key=lambda item: item[1]):
             if self.stopping or old in self.retiring or old not in self.children:
                 continue
-            new = self._spawn(slot)
             started = time.monotonic()
+            new = self._spawn(slot)
+            why = None
             while new not in self.ready and not self.stopping:
-                now = time.monotonic()
-                since = self._forked.get(new, started)  # moved on while a load is under way (_kill_hung)
-                if now - since >= self.ready_timeout or now - started >= self.ready_timeout + self.load_timeout:
+                why = self._overdue(new, time.monotonic(), started)
+                if why is not None:
                     break
                 self._awaited = new
                 self._wait(0.2)
@@ -504,8 +524,7 @@ class Supervisor(WorkerPool):
                 log.info("worker %d: the roll stops with its replacement (pid %d) started: shutting down", slot, new)
                 break
             if new not in self.ready:
-                log.error("worker %d: its replacement (pid %d) is not serving %.0f s after it was started; keeping "
-                          "pid %d", slot, new, time.monotonic() - started, old)
+                log.error("worker %d: its replacement (pid %d) %s; keeping pid %d", slot, new, why, old)
                 if new in self.children:
                     self.retiring.add(new)  # not respawned when reaped
                     self._routing_changed = True

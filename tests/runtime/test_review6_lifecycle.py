@@ -4,6 +4,7 @@ outside a roll, like a roll's, is given up at an overall cap while model loads k
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 from mnn_rollout.local.net import wait_for
 
 from tests.runtime.test_review3_profile import SLOW, gone, in_background, profiling_child, slow_beside_v1
-from tests.runtime.test_workers import all_serving
+from tests.runtime.test_review3_workers import wait_for_log
+from tests.runtime.test_workers import all_serving, supervising
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,3 +71,85 @@ def test_the_profiling_child_runs_at_a_lower_cpu_priority_than_its_worker(tmp_pa
         wait_for(lambda: nice(child) >= nice(worker) + 10, 20, f"the profiling child {child} niced")
     thread.join(timeout=30)  # the shutdown stopped it
     assert answers and answers[0].status_code == 503, answers
+
+
+# A supervisor of one worker in a pod where model loads run back to back (each 0.4 s, each by a
+# process of its own, as workers loading versions one after the other), from before it starts.
+# ready_timeout 1 s, load_timeout 3 s: a worker not serving is given up 4 s after it was started.
+# Without a file "roll" in argv[1], the first worker dies before it serves and its replacement never
+# serves; with it, the first serves, a config that loaded a version is offered, and the roll's new
+# worker never serves. Each worker writes its pid to argv[1]/worker-N, N from 0 in start order.
+LOADS = """
+import logging, os, socket, sys, threading, time
+from pathlib import Path
+from mnn_runtime import engine
+from mnn_runtime.workers import Supervisor
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+out = Path(sys.argv[1])
+roll = (out / "roll").exists()
+engine.fork_parent(True)  # the pod's load lock, made before the fork as serve_workers makes it
+
+supervisor_pid = os.getpid()
+if os.fork() == 0:  # the loads, until the supervisor is gone (90 s at most)
+    until = time.monotonic() + 90
+    while os.getppid() == supervisor_pid and time.monotonic() < until:
+        pid = os.fork()
+        if pid == 0:
+            with engine.one_load_at_a_time():
+                time.sleep(0.4)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    os._exit(0)
+
+
+def serve_one(channel, ready_fd):
+    n = len(list(out.glob("worker-*")))
+    (out / f"worker-{n}").write_text(str(os.getpid()))
+    if n == 0:
+        if not roll:
+            os._exit(1)  # dies before it serves: replaced outside a roll
+        os.write(ready_fd, b"r")
+    while True:
+        time.sleep(60)
+
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen()
+supervisor = Supervisor(1, sock, serve_one, None, apply=lambda config: True, ready_timeout=1.0, load_timeout=3.0,
+                        hang_timeout=600.0)  # its workers say nothing (no loop): never judged hung
+
+
+def offer():
+    while not (out / "worker-0").exists():
+        time.sleep(0.05)
+    supervisor.offer("a config that loaded a version")
+
+
+if roll:
+    threading.Thread(target=offer, daemon=True).start()
+sys.exit(supervisor.run())
+"""
+CAP = 1.0 + 3.0  # LOADS's ready_timeout + load_timeout
+
+
+def worker(tmp_path: Path, n: int) -> int:
+    """The pid of LOADS's worker ``n``, once it started."""
+    return int(wait_for(lambda: (tmp_path / f"worker-{n}").exists() and (tmp_path / f"worker-{n}").read_text(),
+                        30, f"worker {n} started"))
+
+
+def test_a_replacement_outside_a_roll_is_given_up_at_the_cap_while_loads_keep_running(tmp_path: Path) -> None:
+    """A worker started outside a roll (here the replacement of one that died) had its ready clock
+    restarted while any model load ran in the pod, with no overall cap: loads back to back kept it
+    waiting for ever (here 30 s and more, for a 1 s ready_timeout). Now, as a roll's, it is killed
+    ready_timeout + load_timeout after it was started, and logged as not serving."""
+    with supervising(LOADS, tmp_path) as (_, log_path):
+        replacement = worker(tmp_path, 1)
+        log = wait_for_log(log_path, f"worker pid {replacement} does not serve", 30)
+        given_up = re.search(rf"worker pid {replacement} does not serve (\d+) s", log)
+        assert given_up and int(given_up.group(1)) >= CAP - 0.5, log
+        assert "model loads in the pod included" in log, log
+        worker(tmp_path, 2)  # and replaced, as one that died
+
