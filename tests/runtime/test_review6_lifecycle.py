@@ -153,3 +153,16 @@ def test_a_replacement_outside_a_roll_is_given_up_at_the_cap_while_loads_keep_ru
         assert "model loads in the pod included" in log, log
         worker(tmp_path, 2)  # and replaced, as one that died
 
+
+def test_a_rolls_new_worker_is_given_up_at_the_cap_while_loads_keep_running(tmp_path: Path) -> None:
+    """The roll's overall cap (ready_timeout + load_timeout from its new worker's start, whatever
+    loads run) had no test: a new worker that never serves while loads keep running is given up at
+    the cap and the old worker keeps serving."""
+    (tmp_path / "roll").write_text("")
+    with supervising(LOADS, tmp_path) as (_, log_path):
+        old, new = worker(tmp_path, 0), worker(tmp_path, 1)
+        log = wait_for_log(log_path, f"keeping pid {old}", 30)
+        given_up = re.search(rf"its replacement \(pid {new}\) \D*(\d+) s after it was started", log)
+        assert given_up and int(given_up.group(1)) >= CAP - 0.5, log
+        wait_for(lambda: gone(new), 10, f"the roll's new worker {new} killed")
+        assert not gone(old) and f"(pid {old}) retired" not in log_path.read_text(), log_path.read_text()
