@@ -250,7 +250,8 @@ class _Server(uvicorn.Server):
     next request on one at that moment loses it. Answering each connection's next request with
     ``Connection: close`` and closing it then loses none; a connection left idle until the end of
     ``retire_grace`` is closed as uvicorn closes any idle one past its keep-alive timeout. A running
-    profile (minutes, at most) is stopped at once: its request answers 503. A second SIGTERM changes nothing; SIGINT still stops at once as uvicorn does.
+    profile (minutes, at most) is stopped at once: its request answers 503. A second SIGTERM
+    changes nothing; SIGINT still stops at once as uvicorn does.
     """
 
     def __init__(self, config: uvicorn.Config, app: Any, channel: socket.socket | None, ready_fd: int | None,
