@@ -20,6 +20,7 @@ from rollout_operator.ports import REPAIRED, ClusterPorts
 from rollout_operator.spec import parse_spec
 from testbed.cluster import Cluster, wait_for
 from testbed.k8s.harness import EmulatorProcess
+from tests.operator.test_e2e_autoscaling import k8s_emulator, owners  # noqa: F401 - the fixtures
 from tests.operator.test_e2e_basic import ready_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -110,13 +111,11 @@ def test_after_a_restart_the_live_table_is_adopted_never_reset(cluster: Cluster)
     assert cluster.configmap_weights() == {"v1": 90, "v2": 10}
 
 
-OWNER = (("apiVersion", "mnnrollout.io/v1alpha1"), ("kind", "ModelDeployment"), ("name", "scorer"),
-         ("uid", "u-1"), ("controller", True), ("blockOwnerDeletion", True))
-
-
-def test_another_instances_newer_table_is_adopted_never_overwritten(k8s_emulator: EmulatorProcess) -> None:
+def test_another_instances_newer_table_is_adopted_never_overwritten(
+        k8s_emulator: EmulatorProcess, owners: dict[str, dict[str, Any]]) -> None:  # noqa: F811 - the fixtures
     spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}, {"name": "v2", "uri": "/m/v2.mnn"}]})
-    target = children.Target("scorer", "default", OWNER)
+    # a live owner: the emulator's garbage collector deletes a child whose owner is missing 0.2 s after a write
+    target = children.Target("scorer", "default", children.owner_reference(owners["scorer"]))
     cfg = kubernetes.client.Configuration()
     kubernetes.config.load_kube_config(config_file=str(k8s_emulator.kubeconfig_path), client_configuration=cfg)
     kube = KubeClient(cfg, backoff_base=0.02)
