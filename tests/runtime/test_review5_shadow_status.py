@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mnn_rollout.local.net import wait_for
 from mnn_runtime.dataplane import WORKERS_DIFFER
 from tests.runtime.test_workers import (  # noqa: F401 - server is the fixture
     _status,
@@ -60,6 +61,8 @@ def test_a_shadow_change_shows_in_the_pods_status_once_every_worker_took_it(
         while server.log().count("applied new config from the supervisor") < 3:  # the other worker did
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.05)
+        # it logs the config, then tells the supervisor, which then publishes the pod's routing
+        wait_for(lambda: _status(server.url).get("lagging_workers") == [stuck], 20, "the other worker's word heard")
         during = [_status(server.url) for _ in range(4)]  # all dealt to the other worker
     assert [(s["shadow"], s["table_digest"], s["lagging_workers"]) for s in during] == \
         [(WORKERS_DIFFER, digest, [stuck])] * 4, during

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from mnn_rollout.local.net import wait_for
 from mnn_runtime.dataplane import WORKERS_DIFFER
 from tests.runtime.test_workers import (  # noqa: F401 - server is the fixture
     _status,
@@ -60,6 +61,8 @@ def test_a_pod_whose_worker_missed_new_weights_does_not_report_them(
         while server.log().count("applied new config from the supervisor") < 1:  # the other worker did
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.05)
+        # it logs the config, then tells the supervisor, which then publishes the pod's routing
+        wait_for(lambda: _status(server.url).get("lagging_workers") == [stuck], 20, "the other worker's word heard")
         during = [_status(server.url) for _ in range(6)]  # all dealt to the other worker
     new_digest = _settled(server.url, {"v1": 40, "v2": 60})
     assert new_digest not in (old_digest, WORKERS_DIFFER)
