@@ -61,8 +61,10 @@ def test_sigterm_during_a_burst_exits_fast_and_writes_nothing_after(cluster: Clu
 
     assert left > 0  # the stop did cut the burst short
     # Before: the daemons were stopped one by one while the others went on reconciling, and every
-    # reconcile started (one per worker thread) ran to its end at the client's 20 requests/s.
-    assert took < 4.0, (took, len(writes), operator.log()[-3000:])
+    # reconcile started (one per worker thread) ran to its end at the client's 20 requests/s: the
+    # ~35 objects left, ~8 requests each, are ~14 s of requests. Now ~1.2 s here; 4.1 s once in a
+    # clean-clone `make test` beside the chaos soak (2 cores, 3 test processes): a bound with room.
+    assert took < 8.0, (took, len(writes), operator.log()[-3000:])
     # At most the requests already sent when the exit was decided (one per reconcile thread).
     assert len(writes) <= WORKERS, (len(writes), writes[:40])
     assert "operator exiting" in operator.log()
