@@ -71,6 +71,9 @@ class ProfileStopped(InferenceError):
 
     status_code = 503
 
+    def __init__(self) -> None:
+        super().__init__(f"{STOPPED}; the profile was stopped")
+
 
 @dataclass(frozen=True)
 class OpTiming:
@@ -280,7 +283,7 @@ class Profiler:
     async def run(self, path: Path, sha256: str, runs: int, shapes: Mapping[str, Sequence[int]],
                   timeout: float = DEFAULT_TIMEOUT) -> Profile:
         if self._stopped:
-            raise ProfileStopped(f"{STOPPED}; the profile was stopped")
+            raise ProfileStopped()
         if self._busy:
             raise ProfileBusy("a profile is already running in this process; try again when it is done")
         self._busy = True
@@ -305,7 +308,7 @@ class Profiler:
         try:
             if self._stopped:  # while it was being started
                 why = STOPPED
-                raise ProfileStopped(f"{STOPPED}; the profile was stopped")
+                raise ProfileStopped()
             out, err = await asyncio.wait_for(proc.communicate(ask), timeout)
         except asyncio.TimeoutError:
             why = f"past its time limit of {timeout:g} s"
@@ -319,7 +322,7 @@ class Profiler:
                 await proc.wait()
                 log.info("profiling process %d killed: %s", proc.pid, why)
         if self._stopped and proc.returncode != 0:  # killed by ``stop`` (one done as it came answers)
-            raise ProfileStopped(f"{STOPPED}; the profile was stopped")
+            raise ProfileStopped()
         try:
             answer = json.loads(out)
         except ValueError:

@@ -307,7 +307,7 @@ class Supervisor(WorkerPool):
         ``hang_timeout``), and a worker about to serve may be waiting for the pod's one load at a
         time (``engine``); for at most ``load_timeout`` (one load; a starting worker's, all of them)."""
         loading = self._in_load(now)
-        for pid, (started, since) in list(self._forked.items()):
+        for pid, (started, _) in list(self._forked.items()):
             if pid not in self.children or pid in self.ready or pid in self.retiring:
                 del self._forked[pid]
                 continue
