@@ -22,15 +22,16 @@ SERVICE_NETWORK = '10.96.0.'  # the cluster IPs allocated (10.96.0.1 is the kube
 
 
 # The ObjectMeta a kind holds besides its own (pod templates, claim templates), as paths; ``[]`` is
-# every item of a list. Each is a struct in Go, and its zero creationTimestamp (metav1.Time, a struct
-# too, which ``omitempty`` does not omit) is written as null: ``creationTimestamp: null``.
+# every item of a list, ``?`` a pointer (only when given: a ReplicationController's template).
+# Each is a struct in Go, and its zero creationTimestamp (metav1.Time, a struct too, which
+# ``omitempty`` does not omit) is written as null: ``creationTimestamp: null``.
 _TEMPLATE = ['spec', 'template']
 TEMPLATE_META: dict[tuple[str, str], list[list[str]]] = {
     ('apps/v1', 'Deployment'): [_TEMPLATE], ('apps/v1', 'ReplicaSet'): [_TEMPLATE],
     ('apps/v1', 'DaemonSet'): [_TEMPLATE], ('apps/v1', 'StatefulSet'): [_TEMPLATE, ['spec', 'volumeClaimTemplates[]']],
     ('batch/v1', 'Job'): [_TEMPLATE], ('batch/v1', 'CronJob'): [['spec', 'jobTemplate'],
                                                              ['spec', 'jobTemplate', 'spec', 'template']],
-    ('v1', 'PodTemplate'): [['template']], ('v1', 'ReplicationController'): [_TEMPLATE],
+    ('v1', 'PodTemplate'): [['template']], ('v1', 'ReplicationController'): [['spec', 'template?']],
 }
 
 
@@ -75,14 +76,14 @@ def _dict(obj: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 
 def _holders(obj: dict[str, Any], path: list[str]) -> list[dict[str, Any]]:
-    """The objects at ``path``, each a struct (made when absent) but for a list's items and a
-    ReplicationController's template (a pointer: only when given)."""
+    """The objects at ``path``, each a struct (made when absent) but for a list's items (``[]``)
+    and a pointer (``?``: only when given)."""
     nodes = [obj]
-    for n, part in enumerate(path):
+    for part in path:
         if part.endswith('[]'):
             nodes = [item for node in nodes for item in _dicts(node.get(part[:-2]))]
-        elif obj.get('kind') == 'ReplicationController' and n == len(path) - 1:
-            nodes = [found for node in nodes if (found := _dict(node, part)) is not None]
+        elif part.endswith('?'):
+            nodes = [found for node in nodes if (found := _dict(node, part[:-1])) is not None]
         else:
             nodes = [found for node in nodes if (found := _struct(node, part)) is not None]
     return nodes
@@ -238,7 +239,8 @@ def _same_cluster_ips(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return (old.get('clusterIP'), old.get('clusterIPs') or []) == (new.get('clusterIP'), new.get('clusterIPs') or [])
 
 
-def _node_ports(spec: dict[str, Any]) -> set[int]:
+def node_ports(spec: dict[str, Any]) -> set[int]:
+    """The node ports a Service's ports hold."""
     return {p['nodePort'] for p in _dicts(spec.get('ports')) if p.get('nodePort')}
 
 
@@ -264,7 +266,7 @@ def service_addresses(spec: dict[str, Any], old_spec: dict[str, Any] | None, use
                 if not spec.get(key) and old_spec.get(key):
                     spec[key] = old_spec[key]
         if _needs_node_ports(old_spec) and _needs_node_ports(spec):
-            taken = _node_ports(old_spec) & _node_ports(spec)
+            taken = node_ports(old_spec) & node_ports(spec)
             by_name = {p.get('name', ''): p.get('nodePort') for p in _dicts(old_spec.get('ports'))}
             for port in _dicts(spec.get('ports')):
                 kept = by_name.get(port.get('name', ''))
@@ -282,12 +284,12 @@ def service_addresses(spec: dict[str, Any], old_spec: dict[str, Any] | None, use
             for key in ('ipFamilies', 'ipFamilyPolicy'):
                 if spec.get(key) == old_spec.get(key):
                     spec[key] = None
-        if _needs_node_ports(old_spec) and not _needs_node_ports(spec) and _node_ports(spec) <= _node_ports(old_spec):
-            for port in _dicts(spec.get('ports')):
-                port.pop('nodePort', None)
-        if _needs_node_ports(old_spec) and not _needs_node_ports(spec) \
-                and spec.get('externalTrafficPolicy') == old_spec.get('externalTrafficPolicy'):
-            spec.pop('externalTrafficPolicy', None)
+        if _needs_node_ports(old_spec) and not _needs_node_ports(spec):
+            if node_ports(spec) <= node_ports(old_spec):
+                for port in _dicts(spec.get('ports')):
+                    port.pop('nodePort', None)
+            if spec.get('externalTrafficPolicy') == old_spec.get('externalTrafficPolicy'):
+                spec.pop('externalTrafficPolicy', None)
     elif spec.get('clusterIP') and not spec.get('clusterIPs'):
         spec['clusterIPs'] = [spec['clusterIP']]
     for key in ('clusterIP', 'clusterIPs', 'ipFamilies', 'ipFamilyPolicy'):

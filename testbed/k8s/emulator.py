@@ -21,11 +21,10 @@ Replaced, because they could not be fixed by small overrides:
   CRD schemas (``schema.py``: pruning, defaulting, validation), the quantities of built-in kinds
   (``quantity.py``: parsed, stored in canonical form, ``1024Mi`` as ``1Gi``), the server's own validation of
   metadata and of the built-in kinds the operator writes (``validation.py``), the API server's defaults of those
-  kinds (``defaults.py``: a Deployment's strategy and pod template, a Service's ports, cluster IP and node ports,
-  ...) and
-  their unknown fields (dropped with a ``Warning`` header, or refused with ``fieldValidation=Strict``; an apply
-  that has one fails, ``schema.py``, ``store.py``), protobuf bodies of a few core kinds
-  (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
+  kinds (``defaults.py``: a Deployment's strategy and pod template, a Service's ports, cluster IP and node
+  ports, ...) and their unknown fields (dropped with a ``Warning`` header, or refused with
+  ``fieldValidation=Strict``; an apply that has one fails, ``schema.py``, ``store.py``), protobuf bodies of a
+  few core kinds (``protobuf.py``, for imperative ``kubectl create``), ``/scale`` (``scale.py``) - absent in kmock.
 
 Server-side apply: ``PATCH`` with ``application/apply-patch+yaml`` (a YAML or JSON body) and the
 required ``fieldManager``; ``force=true``; on the object and its ``/status``; creates the object when

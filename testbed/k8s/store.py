@@ -197,8 +197,7 @@ class Store(Lifecycle):
                   if (key[2], key[3]) != (meta.get('namespace'), meta.get('name'))]
         specs = [o.get('spec') or {} for o in others]
         ips = {str(s.get('clusterIP')) for s in specs}
-        ports = {p['nodePort'] for s in specs for p in s.get('ports') or []
-                 if isinstance(p, dict) and p.get('nodePort')}
+        ports = set().union(*map(defaults.node_ports, specs))
         causes = defaults.service_addresses(obj['spec'], (old or {}).get('spec'), ips, ports)
         if causes:
             raise ApiError.invalid('Service', meta.get('name', ''), causes)
