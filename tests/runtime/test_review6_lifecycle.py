@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mnn_rollout.local.net import wait_for
+from mnn_rollout.local.process import stat_fields
 
 from tests.runtime.test_review3_profile import SLOW, gone, in_background, profiling_child, slow_beside_v1
 from tests.runtime.test_review3_workers import wait_for_log
@@ -51,11 +52,11 @@ def test_a_shutdown_stops_a_running_profile_at_once_and_answers_503(tmp_path: Pa
 
 def nice(pid: int) -> int:
     """A process's nice value (field 19 of /proc/PID/stat)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    return int(stat_fields(pid)[16])
 
 
 def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return int(stat_fields(pid)[1])
 
 
 def test_the_profiling_child_runs_at_a_lower_cpu_priority_than_its_worker(tmp_path: Path,

@@ -15,9 +15,14 @@ import httpx
 from .net import free_port, require_loopback
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: index 0 is field 3 (the state)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds used so far by process ``pid`` (its own, not its children's)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
