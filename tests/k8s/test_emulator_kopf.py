@@ -89,7 +89,10 @@ def test_kopf_operator_handles_create_update_timer_and_delete_with_its_finalizer
         assert emu.request('GET', WIDGETS.format(ns='default') + '/w1')[0] == 404
     assert runner.exit_code == 0 and runner.exception is None
     handled = [c for _, c in calls if not c.startswith('timer')]
-    assert handled == ['create w1', 'update w1', 'delete w1']
+    # The delete handler runs at least once, maybe more: when the deletion catches the timer mid-run, kopf
+    # keeps its finalizer until the timer has exited, forgets the finished delete handler meanwhile, and
+    # runs it again on the next cycle (kopf's own logic, as on a real cluster; handlers must be idempotent).
+    assert handled[:2] == ['create w1', 'update w1'] and set(handled[2:]) == {'delete w1'}, handled
     log = emu.requests()
     json_patches = [r for r in log if r['contentType'] == 'application/json-patch+json']
     assert json_patches, 'kopf removes its finalizer with a JSON patch guarded by a resourceVersion test'
