@@ -429,14 +429,17 @@ class Store(Lifecycle):
             return self.render(rd, old)  # a no-op write: no new resourceVersion, no watch event
         if dry_run:
             return self.render(rd, new)
-        new['metadata']['resourceVersion'] = self._next_rv()
         key = self.key(rd, old_meta.get('namespace'), name)
-        self.objects[key] = new
         if new['metadata'].get('deletionTimestamp') and not self._blockers(rd, new):
+            # The write that empties the finalizers of a deleting object is not stored: the object
+            # is deleted (one DELETED event, the last stored object) and the answer is the object
+            # as written, at the resourceVersion it had (kube-apiserver's Store.Update, errEmptiedFinalizers).
             self._finalize(key)
-        else:
-            self._emit('MODIFIED', rd, new, old)
-            self._after_write(rd, new, old)
+            return self.render(rd, new)
+        new['metadata']['resourceVersion'] = self._next_rv()
+        self.objects[key] = new
+        self._emit('MODIFIED', rd, new, old)
+        self._after_write(rd, new, old)
         return self.render(rd, new)
 
     @staticmethod

@@ -33,7 +33,7 @@ def test_delete_with_finalizers_marks_the_object_and_removing_the_last_finalizer
     _, events = watch(api, WIDGETS.format(ns=ns), {'resourceVersion': created['metadata']['resourceVersion'],
                                                    'timeoutSeconds': '1'})
     assert [e['type'] for e in events] == ['MODIFIED', 'MODIFIED', 'DELETED']
-    assert events[-1]['object']['metadata'].get('finalizers') in (None, [])
+    assert events[-1]['object']['metadata']['finalizers'] == ['b.io/y']  # the last stored object, as upstream
 
 
 def test_delete_without_finalizers_is_immediate(api, ns):
