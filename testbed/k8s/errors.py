@@ -40,10 +40,12 @@ class ApiError(Exception):
 
     @classmethod
     def invalid(cls, kind_group: str, name: str, causes: list[tuple[str, str]]) -> 'ApiError':
-        """causes: (field, message) pairs."""
-        text = '; '.join(f'{field}: {msg}' if field else msg for field, msg in causes)
+        """causes: (field, message) pairs. The message as apimachinery's errors.NewInvalid words it
+        (field.ErrorList.ToAggregate: repeats dropped; several causes as ``[a, b]``, one without brackets)."""
+        texts = list(dict.fromkeys(f'{field}: {msg}' if field else msg for field, msg in causes))
+        text = texts[0] if len(texts) == 1 else f'[{", ".join(texts)}]'
         group = kind_group.split('.', 1)[1] if '.' in kind_group else ''
-        return cls(422, 'Invalid', f'{kind_group} "{name}" is invalid: {text}', {
+        return cls(422, 'Invalid', f'{kind_group} "{name}" is invalid' + (f': {text}' if texts else ''), {
             'name': name, 'group': group, 'kind': kind_group.split('.', 1)[0],
             'causes': [{'reason': 'FieldValueInvalid', 'message': msg, 'field': field} for field, msg in causes],
         })

@@ -7,6 +7,8 @@ The emulator against kube-apiserver 1.30, where it differed before:
    the last stored object (its finalizers still listed) at the resourceVersion of the delete
    (storage/etcd3/watcher.go: "the *old* object with the etcd revision for the time at which it gets
    deleted"); the write answers 200 with the object as written, at the resourceVersion it had.
+2. a 422 Invalid with several causes reads ``<Kind>.<group> "<name>" is invalid: [cause1, cause2]``
+   (apimachinery errors.NewInvalid with field.ErrorList.ToAggregate), one cause without brackets.
 
 Fixtures ``api`` and ``ns`` come from conftest.py.
 """
@@ -14,10 +16,12 @@ import json
 
 import pytest
 
+from testbed.k8s.errors import ApiError
 from .helpers import CONFIGMAPS, WIDGETS, configmap, ok, watch, widget
 
 pytestmark = pytest.mark.timeout(90)
 MERGE = 'application/merge-patch+json'
+DEPLOYMENTS = '/apis/apps/v1/namespaces/{ns}/deployments'
 
 
 def rv(obj: dict) -> int:
@@ -140,3 +144,35 @@ def test_a_garbage_collected_dependent_is_sent_as_last_stored(api, ns):
     event = first_event(api, CONFIGMAPS.format(ns=ns), 'dep', rv(dep))
     assert event['type'] == 'DELETED', event
     assert event['object']['metadata']['ownerReferences'] == [ref] and event['object']['data'] == {'a': '1'}
+
+
+# --- 2. the message of a 422 Invalid -----------------------------------------------------------------
+
+def test_an_invalid_object_with_several_causes_lists_them_in_brackets(api, ns):
+    bad = {'apiVersion': 'apps/v1', 'kind': 'Deployment', 'metadata': {'name': 'd'},
+           'spec': {'replicas': -1, 'selector': {'matchLabels': {'app': 'd'}},
+                    'template': {'metadata': {'labels': {'app': 'other'}},
+                                 'spec': {'containers': [{'name': 'c', 'image': 'i'}]}}}}
+    status, body = api.request('POST', DEPLOYMENTS.format(ns=ns), bad)
+    assert status == 422 and body['reason'] == 'Invalid', body
+    causes = body['details']['causes']
+    assert [c['field'] for c in causes] == ['spec.replicas', 'spec.template.metadata.labels'], causes
+    assert all(set(c) == {'reason', 'message', 'field'} for c in causes), causes
+    listed = ', '.join(f'{c["field"]}: {c["message"]}' for c in causes)
+    assert body['message'] == f'Deployment.apps "d" is invalid: [{listed}]'
+    assert causes[0]['message'] == 'Invalid value: -1: must be greater than or equal to 0'
+    assert (body['details']['kind'], body['details']['group'], body['details']['name']) == ('Deployment', 'apps', 'd')
+    # one cause: no brackets
+    bad['spec']['replicas'] = 1
+    status, body = api.request('POST', DEPLOYMENTS.format(ns=ns), bad)
+    assert status == 422 and len(body['details']['causes']) == 1, body
+    cause = body['details']['causes'][0]
+    assert body['message'] == f'Deployment.apps "d" is invalid: {cause["field"]}: {cause["message"]}'
+
+
+def test_repeated_causes_are_listed_once_as_the_aggregate_does():
+    twice = ApiError.invalid('Widget.example.io', 'w', [('spec.a', 'Required value'), ('spec.a', 'Required value')])
+    assert twice.message == 'Widget.example.io "w" is invalid: spec.a: Required value'
+    assert len(twice.details['causes']) == 2  # the causes are kept as listed (errors.NewInvalid)
+    three = ApiError.invalid('Widget.example.io', 'w', [('spec.a', 'x'), ('spec.b', 'y'), ('spec.a', 'x')])
+    assert three.message == 'Widget.example.io "w" is invalid: [spec.a: x, spec.b: y]'
