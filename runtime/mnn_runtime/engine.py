@@ -67,6 +67,8 @@ _fork_parent = False
 # and the supervisor at once. ``_load_lock`` orders this process's threads; ``_pod_lock_fd`` (a file
 # made by the supervisor before it forks, inherited by every worker) is locked with lockf, whose
 # locks belong to each process, around the load in every process. Taken before any other lock here.
+# The file holds when the load under way began (``_BEGAN``, 0: none, or just taken or let go), so
+# that loads one process runs back to back are told apart (``load_holder``).
 _load_lock = threading.Lock()
 _pod_lock_fd: int | None = None
 _pool_threads = 1  # the size of MNN's thread pool in this process (1: not started)
@@ -133,29 +135,37 @@ def one_load_at_a_time() -> Iterator[None]:
             return
         fcntl.lockf(fd, fcntl.LOCK_EX)
         try:
+            os.pwrite(fd, _BEGAN.pack(time.monotonic()), 0)  # pwrite: the shared offset, lockf's, stays 0
             yield
         finally:
+            os.pwrite(fd, _BEGAN.pack(0.0), 0)
             fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (Linux): type, whence, start, len, pid
+_BEGAN = struct.Struct("d")  # time.monotonic() (CLOCK_MONOTONIC: the same clock in every process)
 
 
-def load_holder() -> int | None:
-    """The pid of the process of the pod inside a model load (holding the pod's load lock), or
-    None (none is, or this process is not part of a pod with workers). MNN's load holds the GIL
-    throughout: that process's event loop says nothing meanwhile, without being stuck."""
+def load_holder() -> tuple[int, float | None] | None:
+    """The pid of the process of the pod inside a model load (holding the pod's load lock) and
+    when that load began (None in the moment it is taken or let go), or None (none is, or this
+    process is not part of a pod with workers). MNN's load holds the GIL throughout: that process's
+    event loop says nothing meanwhile, without being stuck."""
     fd = _pod_lock_fd
     if fd is None:
         return None
     try:
         got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        began = os.pread(fd, _BEGAN.size, 0)
     except OSError:
         return None
     kind, _, _, _, pid = _FLOCK.unpack(got)
-    if kind != fcntl.F_UNLCK and pid > 0:
-        return pid
-    return os.getpid() if _load_lock.locked() else None  # a thread of this one (its own lock is no conflict)
+    if kind == fcntl.F_UNLCK or pid <= 0:
+        if not _load_lock.locked():
+            return None
+        pid = os.getpid()  # a thread of this one (its own lock is no conflict)
+    since = _BEGAN.unpack(began)[0] if len(began) == _BEGAN.size else 0.0
+    return pid, since or None
 
 
 def fork_safe(spec: EngineSpec) -> bool:

@@ -96,10 +96,11 @@ class Supervisor(WorkerPool):
         self._shadows: dict[int, dict[str, Any] | None] = {}  # worker -> what it said it shadows
         self._routing_changed = True
         self.hang_timeout, self.load_timeout = hang_timeout, load_timeout
-        self._loading: tuple[int, float] | None = None  # the process inside a model load, since when (seen)
         self._heard: dict[int, float] = {}  # serving worker -> when it last wrote (ALIVE_MESSAGE, ...)
-        # worker not serving yet -> when it was started, and when its ready clock started (_overdue)
-        self._forked: dict[int, tuple[float, float]] = {}
+        # worker not serving yet -> when it was started, when its ready clock started, and the seconds
+        # of its own model loads seen since (_overdue)
+        self._forked: dict[int, tuple[float, float, float]] = {}
+        self._checked: float | None = None  # when _kill_hung last ran
         self._awaited: int | None = None  # the replacement a roll waits for (killed by the roll if need be)
         self.apply = apply
         self.reload = reload  # load again versions a worker loaded for a request; True: replace the workers
@@ -136,7 +137,7 @@ class Supervisor(WorkerPool):
 
     def _started(self, pid: int, channel: socket.socket) -> None:
         now = time.monotonic()
-        self._forked[pid] = (now, now)
+        self._forked[pid] = (now, now, 0.0)
         self._routing_changed = True  # it lags until it says (and counts once it serves: _publish)
         if self._deferred is not None and self._deferred[1]:  # newer than what it was forked with
             if not send_config(pid, channel, self._deferred[1]):  # (the newest sent: _forward_pending)
@@ -305,14 +306,16 @@ class Supervisor(WorkerPool):
         clock runs while a model load is under way: MNN's load holds the GIL throughout (a worker's
         loop says nothing for as long as it takes: a big model's can take more than
         ``hang_timeout``), and a worker about to serve may be waiting for the pod's one load at a
-        time (``engine``); for at most ``load_timeout`` (one load; a starting worker's, all of them)."""
+        time (``engine``); for at most ``load_timeout`` (one load; a starting worker's, all of them
+        but its own)."""
         loading = self._in_load(now)
-        for pid, (started, _) in list(self._forked.items()):
+        elapsed, self._checked = now - (now if self._checked is None else self._checked), now
+        for pid, (started, _, own) in list(self._forked.items()):
             if pid not in self.children or pid in self.ready or pid in self.retiring:
                 del self._forked[pid]
                 continue
-            if loading is not None:  # its own load, or one it may wait for
-                self._forked[pid] = (started, now)
+            if loading is not None:  # its own load (versions a worker loads after the fork), or one it may wait for
+                self._forked[pid] = (started, now, own + elapsed if loading == pid else own)
             why = self._overdue(pid, now)
             if why is not None and pid != self._awaited:
                 fd = self._ready_fds.get(pid)
@@ -337,14 +340,17 @@ class Supervisor(WorkerPool):
         serving yet, is given up now, or None while it has time: ``ready_timeout`` counted from the
         end of the last model load seen in the pod (``_kill_hung`` moves its clock on during one: it
         may have had to wait for it), but ``ready_timeout + load_timeout`` from its start whatever
-        loads run (else loads back to back kept it waiting for ever). For every worker starting,
-        a roll's (``_roll``) as one started at the pod's start or after a death."""
-        forked, since = self._forked.get(pid, (now, now))
+        loads run (else loads back to back kept it waiting for ever), the time of its own loads not
+        counted (a worker loading many versions after its fork is getting on: each of its loads is
+        bounded by ``load_timeout``, ``_in_load``). For every worker starting, a roll's (``_roll``)
+        as one started at the pod's start or after a death."""
+        forked, since, own = self._forked.get(pid, (now, now, 0.0))
         started = forked if started is None else started
         cap = self.ready_timeout + self.load_timeout
-        if now - started >= cap:
+        if now - started - own >= cap:
+            of_its_own = f", {own:.0f} s of its own loads not counted" if own >= 0.5 else ""
             return (f"does not serve {now - started:.0f} s after it was started, model loads in the pod included "
-                    f"(at most ready_timeout + load_timeout, {cap:g} s)")
+                    f"(at most ready_timeout + load_timeout, {cap:g} s{of_its_own})")
         if now - max(since, started) >= self.ready_timeout:
             return f"does not serve {now - started:.0f} s after it was started (stuck before it serves)"
         return None
@@ -368,15 +374,14 @@ class Supervisor(WorkerPool):
         worker inside one load for ``load_timeout`` is killed (stuck there, it holds every load)."""
         if not self._forked and all(now - heard < self.hang_timeout / 2 for heard in self._heard.values()):
             return None
-        loading = engine.load_holder()
-        if loading is None or self._loading is None or self._loading[0] != loading:
-            self._loading = None if loading is None else (loading, now)
-            return loading
-        if now - self._loading[1] < self.load_timeout:
+        held = engine.load_holder()
+        if held is None:
+            return None
+        loading, began = held  # began: None in the moment the load is taken or let go
+        if began is None or now - began < self.load_timeout:
             return loading
         if loading in self.children:
-            self._kill_stuck(loading, f"has been inside one model load for {now - self._loading[1]:.0f} s (stuck)")
-            self._loading = None
+            self._kill_stuck(loading, f"has been inside one model load for {now - began:.0f} s (stuck)")
         return None  # (this process's own: the workers waiting for it are judged as any other)
 
     def broadcast(self, message: bytes) -> None:
