@@ -394,9 +394,11 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     once) and is served instead: clients without the token, reconnecting as fast as they are closed,
     cannot keep Alertmanager out. Only when every slot holds an authenticated connection is a new one
     answered 503 and closed without a thread. Threads: at most ``max_connections`` plus
-    ``EVICTED_THREADS`` of closed connections still ending."""
+    ``EVICTED_THREADS`` of closed connections still ending. The listen backlog holds a burst of that
+    many (socketserver's default, 5, dropped the rest's SYN: each waited ~1 s for its client's retry)."""
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        self.request_queue_size = max(max_connections + EVICTED_THREADS, 128)  # read by server_activate: listen()
         super().__init__(address, handler)
         self.max_connections = max_connections
         self.lock = threading.Condition()
