@@ -121,6 +121,7 @@ def fork_parent(on: bool) -> None:
         if on and _pod_lock_fd is None:  # before the fork: the workers share it
             fd, path = tempfile.mkstemp(prefix="mnn-rollout-load-")
             os.unlink(path)  # the open file is enough, and nothing is left behind
+            _mark_began(fd, 0.0)
             _pod_lock_fd = fd
 
 
@@ -135,11 +136,22 @@ def one_load_at_a_time() -> Iterator[None]:
             return
         fcntl.lockf(fd, fcntl.LOCK_EX)
         try:
-            os.pwrite(fd, _BEGAN.pack(time.monotonic()), 0)  # pwrite: the shared offset, lockf's, stays 0
+            _mark_began(fd, time.monotonic())
             yield
         finally:
-            os.pwrite(fd, _BEGAN.pack(0.0), 0)
+            _mark_began(fd, 0.0)
             fcntl.lockf(fd, fcntl.LOCK_UN)
+
+
+def _mark_began(fd: int, began: float) -> None:
+    """Write when the load under way began (0: none) into the lock file, for ``load_holder``. With
+    pwrite: the shared offset, lockf's, stays 0. Its 8 bytes are written when the file is made, so
+    this overwrites them in place; should it fail all the same, the load goes on (a file left empty
+    or at 0 reads as a load just taken: never judged overdue)."""
+    try:
+        os.pwrite(fd, _BEGAN.pack(began), 0)
+    except OSError as exc:
+        log.warning("the pod's load lock file could not be written: %s", exc)
 
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock (Linux): type, whence, start, len, pid
