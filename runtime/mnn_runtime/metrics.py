@@ -278,21 +278,24 @@ class ProcessTreeCollector:
         pids = self._pids()
         for pid in pids:
             try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                # utime + stime; the root adds what its reaped children used (cutime + cstime), so a
+                # replaced worker's CPU stays in the sum and the counter never goes back. A worker that
+                # exited and is not reaped yet (a zombie: no memory left) still says what it used.
+                used = fields[11:15] if pid == pids[0] else fields[11:13]
+                cpu += sum(int(f) for f in used) / ticks
+                if fields[0] == "Z":
+                    continue
                 with open(f"/proc/{pid}/smaps_rollup") as fh:
                     for line in fh:
                         if line.startswith("Pss:"):
                             pss += int(line.split()[1]) * 1024
                         elif line.startswith("Rss:"):
                             rss += int(line.split()[1]) * 1024
-                with open(f"/proc/{pid}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                # utime + stime; the root adds what its reaped children used (cutime + cstime), so a
-                # replaced worker's CPU stays in the sum and the counter never goes back
-                used = fields[11:15] if pid == pids[0] else fields[11:13]
-                cpu += sum(int(f) for f in used) / ticks
                 count += 1
             except (OSError, ValueError, IndexError):
-                continue  # a worker that just exited
+                continue  # a worker that just exited (reaped: counted in the root's cutime from now on)
         if not count:
             return
         for name, help_, value in (
