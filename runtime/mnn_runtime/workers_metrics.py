@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 _pid = os.getpid()
+PREFIX = "mnn-rollout-metrics-"
 LOCK = ".merge.lock"
+OWNER = ".owner"  # locked (flock) by the server that made the directory, for as long as it or a worker lives
 ARCHIVE = "archive"
 
 
@@ -42,13 +45,41 @@ def _process_id() -> int:
 
 
 def enable_multiprocess_metrics() -> Path:
-    """Switch prometheus-client to multiprocess values; call before any metric is created."""
+    """Switch prometheus-client to multiprocess values; call before any metric is created. The
+    directory is this pod's for as long as one of its processes lives (``OWNER``), and those left
+    by servers that died without removing theirs (SIGKILL, an OOM kill) are removed first."""
     from prometheus_client import values
 
-    path = Path(tempfile.mkdtemp(prefix="mnn-rollout-metrics-"))
+    path = Path(tempfile.mkdtemp(prefix=PREFIX))
+    owner = os.open(path / OWNER, os.O_CREAT | os.O_WRONLY, 0o600)  # kept open: inherited by the workers
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    remove_abandoned(path.parent)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     values.ValueClass = values.MultiProcessValue(process_identifier=_process_id)
     return path
+
+
+def remove_abandoned(parent: Path) -> list[Path]:
+    """Remove the metrics directories under ``parent`` whose owners are all gone (no process holds
+    the lock on their ``OWNER`` file: the lock dies with the last process holding it open); returns
+    those removed. In a pod, /tmp is an emptyDir that outlives the container: a container restarted
+    again and again (an OOM kill) left a directory of ~1 MB files per worker each time. One without
+    the file (being made, or made by an older server) is left alone."""
+    removed = []
+    for directory in parent.glob(PREFIX + "*"):
+        try:
+            fd = os.open(directory / OWNER, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its server lives
+        finally:
+            os.close(fd)  # (a lock taken is let go with it)
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory)
+    return removed
 
 
 @contextlib.contextmanager

@@ -1,12 +1,20 @@
-"""The pod's CPU counter across a worker's death (seventh review)."""
+"""The pod's metrics across a worker's or a whole server's death (seventh review)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from mnn_rollout.local.net import wait_for
+from mnn_runtime.workers_metrics import PREFIX
+from tests.runtime.test_workers import all_serving, children, two_workers
+from tests.runtime_server import RuntimeServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,3 +75,35 @@ def test_the_cpu_counter_keeps_a_dead_workers_seconds_until_it_is_reaped() -> No
     assert seen["burner"] >= 0.5, seen
     assert seen["running"] >= 0.3, seen  # the burner's seconds, while it runs
     assert seen["running"] <= seen["zombie"] <= seen["reaped"], seen
+
+
+def test_a_killed_pods_metrics_directory_is_removed_by_the_next_server_and_a_live_ones_kept(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve --workers`` keeps its metric files in a directory under TMPDIR, removed when it
+    exits; killed (SIGKILL, an OOM kill) it left it behind, and in a pod /tmp is an emptyDir that
+    outlives the container: a container restarted again and again gathered one directory of ~1 MB
+    files per worker each time. Repro: after a kill and a restart, two directories, the dead one's
+    files intact. Now the next server removes those whose processes are all gone, and no other."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    config = model_dir / "runtime.yaml"
+    with two_workers(config, tmp_path / "live.log"):  # a live neighbour's directory: kept
+        live = set(tmp.glob(PREFIX + "*"))
+        assert len(live) == 1, live
+        killed = RuntimeServer(config, log_path=tmp_path / "killed.log", extra_args=["--workers", "2"])
+        killed.start()
+        assert killed.proc is not None
+        all_serving(killed, tmp_path / "killed.log")
+        dead = set(tmp.glob(PREFIX + "*")) - live
+        assert len(dead) == 1, dead
+        workers = children(killed.proc.pid)
+        os.kill(killed.proc.pid, signal.SIGKILL)
+        killed.proc.wait(10)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), 30, "its workers gone")
+        assert all(d.exists() for d in dead), "left behind by the kill"
+        with two_workers(config, tmp_path / "next.log"):
+            now = set(tmp.glob(PREFIX + "*"))
+            assert not dead & now, f"the killed server's directory is still there: {now}"
+            assert live <= now and len(now - live) == 1, now
+        killed.stop()
