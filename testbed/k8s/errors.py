@@ -47,7 +47,7 @@ class ApiError(Exception):
         group = kind_group.split('.', 1)[1] if '.' in kind_group else ''
         return cls(422, 'Invalid', f'{kind_group} "{name}" is invalid' + (f': {text}' if texts else ''), {
             'name': name, 'group': group, 'kind': kind_group.split('.', 1)[0],
-            'causes': [{'reason': 'FieldValueInvalid', 'message': msg, 'field': field} for field, msg in causes],
+            'causes': [{'reason': cause_reason(msg), 'message': msg, 'field': field} for field, msg in causes],
         })
 
     @classmethod
@@ -61,6 +61,25 @@ class ApiError(Exception):
     @classmethod
     def gone(cls, message: str) -> 'ApiError':
         return cls(410, 'Expired', message)
+
+
+# field.ErrorType's String() -> the type itself (apimachinery pkg/util/validation/field/errors.go): a
+# cause's reason is the type of the field error its message was written from (errors.NewInvalid).
+_CAUSE_TYPES = (('Required value', 'FieldValueRequired'), ('Unsupported value', 'FieldValueNotSupported'),
+                ('Duplicate value', 'FieldValueDuplicate'), ('Forbidden', 'FieldValueForbidden'),
+                ('Too long', 'FieldValueTooLong'), ('Too many', 'FieldValueTooMany'),
+                ('Not found', 'FieldValueNotFound'), ('Internal error', 'InternalError'))
+
+
+def cause_reason(message: str) -> str:
+    """The StatusCause reason of a field error's message ("Required value", "Unsupported value: ..."). TypeInvalid
+    prints as "Invalid value" too; apiextensions' schema check uses it for kube-openapi's "must be of type"."""
+    for text, reason in _CAUSE_TYPES:
+        if message == text or message.startswith(text + ':'):
+            return reason
+    if message.startswith('Invalid value:') and ' in body must be of type ' in message:
+        return 'FieldValueTypeInvalid'
+    return 'FieldValueInvalid'
 
 
 def _split(group_resource: str) -> tuple[str, str, str]:
