@@ -85,6 +85,11 @@ VERSION = {'major': '1', 'minor': '32', 'gitVersion': 'v1.32.0-emulator', 'gitCo
            'gitTreeState': 'clean', 'buildDate': '2025-01-01T00:00:00Z', 'goVersion': 'go1.23',
            'compiler': 'gc', 'platform': 'linux/amd64'}
 CRD_RD = ('apiextensions.k8s.io', 'v1', 'customresourcedefinitions')
+# The stores that set ReturnDeletedObject (a DELETE answers the object; the others and custom resources,
+# apiextensions' customresource store, answer a Status): pkg/registry/core/{pod,service,serviceaccount,
+# namespace}/storage, pkg/registry/storage/{storageclass,volumeattributesclass}/storage.
+RETURNS_DELETED_OBJECT = {('', 'pods'), ('', 'services'), ('', 'serviceaccounts'), ('', 'namespaces'),
+                          ('storage.k8s.io', 'storageclasses'), ('storage.k8s.io', 'volumeattributesclasses')}
 
 
 def parse_path(path: str) -> dict[str, Any] | None:
@@ -345,11 +350,16 @@ class Emulator(kmock.KubernetesEmulator):
                                                   manager=_field_manager(request)))
         if method == 'DELETE' and not sub:
             code, obj = self.store.delete(rd, namespace, name, self._delete_options(request), dry_run)
-            gone = dry_run or self.store.objects.get(self.store.key(rd, namespace, name)) is None
-            if gone and not rd.custom:  # a built-in kind deleted at once: a Status (an object still held: itself)
+            if dry_run:
+                gone = not obj['metadata'].get('finalizers')
+            else:
+                gone = self.store.objects.get(self.store.key(rd, namespace, name)) is None
+            if gone and (rd.group, rd.plural) not in RETURNS_DELETED_OBJECT:
+                # generic registry Store.finalizeDelete: a Status naming the object (details.kind is the
+                # resource; group omitted when empty). An object still held (finalizers): itself.
+                details = {'name': name, 'group': rd.group, 'kind': rd.plural, 'uid': obj['metadata']['uid']}
                 obj = {'kind': 'Status', 'apiVersion': 'v1', 'metadata': {}, 'status': 'Success',
-                       'details': {'name': name, 'group': rd.group, 'kind': rd.plural,
-                                   'uid': obj['metadata']['uid']}}
+                       'details': {k: v for k, v in details.items() if v}}
             return json_response(obj, code)
         raise ApiError.method_not_allowed()
 

@@ -277,8 +277,8 @@ class Kubelet:
                 self._event(f'pod {key} vanished from the API')
                 self._runner.terminate(pod, 'deleted from the API', api_gone=True)
             elif obj['metadata'].get('deletionTimestamp'):
-                # 0 = "not given" here: the emulator stores 0 where a real API server would store the
-                # pod's terminationGracePeriodSeconds (only a forced delete sends 0 on a real cluster).
+                # The API stores the DELETE's gracePeriodSeconds, else the pod's terminationGracePeriodSeconds
+                # (0 for a forced delete or an unscheduled pod: read here as "not given", the pod's own value).
                 grace = obj['metadata'].get('deletionGracePeriodSeconds') or None
                 self._runner.terminate(pod, 'deletionTimestamp set', grace=grace)
             elif pod.deployment_uid not in live_deps:

@@ -18,6 +18,7 @@ else:
 
 CRDS = ('apiextensions.k8s.io', 'customresourcedefinitions')
 NAMESPACES = ('', 'namespaces')
+PODS = ('', 'pods')
 
 
 class Lifecycle(_Base):
@@ -64,7 +65,8 @@ class Lifecycle(_Base):
         if self._blockers(rd, obj):
             old, obj = obj, copy.deepcopy(obj)
             obj['metadata']['deletionTimestamp'] = self._now()
-            obj['metadata']['deletionGracePeriodSeconds'] = int(options.get('gracePeriodSeconds') or 0)
+            if (rd.group, rd.plural) != NAMESPACES:  # the namespace store's own Delete sets the timestamp alone
+                obj['metadata']['deletionGracePeriodSeconds'] = self._grace_period(rd, obj, options)
             if obj['metadata'].get('generation'):
                 obj['metadata']['generation'] += 1
             if (rd.group, rd.plural) == NAMESPACES:
@@ -79,6 +81,22 @@ class Lifecycle(_Base):
             return held, self.render(rd, obj)
         final = self._finalize(key, policy)
         return 200, self.render(rd, final)
+
+    @staticmethod
+    def _grace_period(rd: ResourceDef, obj: dict[str, Any], options: dict[str, Any]) -> int:
+        """deletionGracePeriodSeconds of an object the DELETE only marks. Only pods delete gracefully
+        (rest.BeforeDelete with the pod strategy's CheckGracefulDelete: the option, else the pod's
+        terminationGracePeriodSeconds; 0 if unscheduled or finished; negative means 1); any other kind is
+        marked by the generic store's markAsDeleting, which sets 0 whatever the options say."""
+        if (rd.group, rd.plural) != PODS:
+            return 0
+        spec, given = obj.get('spec') or {}, options.get('gracePeriodSeconds')
+        if given is None:  # SetDefaults_PodSpec stores 30 where a pod gives none
+            given = 30 if spec.get('terminationGracePeriodSeconds') is None else spec['terminationGracePeriodSeconds']
+        period = int(given)
+        if not spec.get('nodeName') or (obj.get('status') or {}).get('phase') in ('Succeeded', 'Failed'):
+            return 0
+        return 1 if period < 0 else period
 
     def _now(self) -> str:
         from .store import now_iso

@@ -39,7 +39,7 @@ def test_delete_with_finalizers_marks_the_object_and_removing_the_last_finalizer
 def test_delete_without_finalizers_is_immediate(api, ns):
     ok(api.request('POST', WIDGETS.format(ns=ns), widget('now')), 201)
     status, body = api.request('DELETE', WIDGETS.format(ns=ns) + '/now')
-    assert status == 200 and body['metadata']['name'] == 'now'
+    assert status == 200 and body['kind'] == 'Status' and body['details']['name'] == 'now'  # customresource store
     assert api.request('GET', WIDGETS.format(ns=ns) + '/now')[0] == 404
     assert api.request('DELETE', WIDGETS.format(ns=ns) + '/now')[0] == 404
 
