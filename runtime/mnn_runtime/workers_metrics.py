@@ -51,8 +51,9 @@ def enable_multiprocess_metrics() -> Path:
     from prometheus_client import values
 
     path = Path(tempfile.mkdtemp(prefix=PREFIX))
-    owner = os.open(path / OWNER, os.O_CREAT | os.O_WRONLY, 0o600)  # kept open: inherited by the workers
+    owner = os.open(path / (OWNER + ".new"), os.O_CREAT | os.O_WRONLY, 0o600)  # kept open: the workers inherit it
     fcntl.flock(owner, fcntl.LOCK_EX)
+    os.rename(path / (OWNER + ".new"), path / OWNER)  # seen by another server's sweep only once locked
     remove_abandoned(path.parent)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     values.ValueClass = values.MultiProcessValue(process_identifier=_process_id)
