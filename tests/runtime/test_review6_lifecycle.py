@@ -114,7 +114,10 @@ def serve_one(channel, ready_fd):
     while True:
         time.sleep(60)
 
-
+"""
+# The supervisor of LOADS (and of other scripts defining ``out``, ``roll`` and ``serve_one``): one
+# worker, ready_timeout 1 s, load_timeout 3 s; with ``roll``, a config offered once worker-0 started.
+ONE_WORKER = """
 sock = socket.socket()
 sock.bind(("127.0.0.1", 0))
 sock.listen()
@@ -132,6 +135,7 @@ if roll:
     threading.Thread(target=offer, daemon=True).start()
 sys.exit(supervisor.run())
 """
+LOADS += ONE_WORKER
 CAP = 1.0 + 3.0  # LOADS's ready_timeout + load_timeout
 
 

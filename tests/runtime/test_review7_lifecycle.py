@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.test_review3_workers import wait_for_log
-from tests.runtime.test_review6_lifecycle import worker
+from tests.runtime.test_review6_lifecycle import ONE_WORKER, worker
 from tests.runtime.test_workers import supervising
 
 pytestmark = pytest.mark.timeout(180)
@@ -43,25 +43,7 @@ def serve_one(channel, ready_fd):
     os.write(ready_fd, b"r")
     while True:
         time.sleep(60)
-
-
-sock = socket.socket()
-sock.bind(("127.0.0.1", 0))
-sock.listen()
-supervisor = Supervisor(1, sock, serve_one, None, apply=lambda config: True, ready_timeout=1.0, load_timeout=3.0,
-                        hang_timeout=600.0)  # its workers say nothing (no loop): never judged hung
-
-
-def offer():
-    while not (out / "worker-0").exists():
-        time.sleep(0.05)
-    supervisor.offer("a config that loaded a version")
-
-
-if roll:
-    threading.Thread(target=offer, daemon=True).start()
-sys.exit(supervisor.run())
-"""
+""" + ONE_WORKER
 
 
 def test_a_worker_loading_its_own_versions_longer_than_the_cap_is_let_serve(tmp_path: Path) -> None:
