@@ -64,7 +64,7 @@ def test_an_invalid_config_is_refused_and_the_old_routing_kept(model_dir: Path, 
             wait_for(lambda: "refused new config" in server.log() and "v9" in server.log()
                      if "v9" in str(bad) else "refused new config" in server.log(), timeout=10)
             assert routes(client) == before
-        (model_dir / "runtime.yaml").write_text("model: [broken\n")
+        write_atomic(model_dir / "runtime.yaml", "model: [broken\n")  # not truncated then written: read empty between
         wait_for(lambda: "not valid YAML" in server.log(), timeout=10)
         assert routes(client) == before
         metrics = client.get("/metrics").text
