@@ -93,6 +93,9 @@ class FileConfigSource:
         except OSError as exc:
             log.error("cannot read config file %s: %s", self.path, exc)
             return False
+        if not text.strip():  # a file edited in place, read between its truncation and its writing
+            log.warning("config file %s is empty: keeping the current config until it has one", self.path)
+            return False
         return self.applier.offer(text, str(self.path))
 
     def _run(self) -> None:
