@@ -311,8 +311,12 @@ def test_a_request_is_not_cut_while_the_server_stops_reading_its_client(
         server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that does not read its answers is not read from meanwhile (pause_writing): its
     upload is then silent through no fault of its own, and is not cut; the silence counts from
-    when reading resumes."""
-    monkeypatch.setattr(h2, "REQUEST_IDLE_TIMEOUT", 1.5, raising=False)
+    when reading resumes. The client reads its answer 1 s before the sweep after the paused one: by
+    then the upload has been silent over twice the timeout (cut, were the pause counted), and from
+    that sweep the client has what is left of the timeout to send again. (With 1.5 s and the answer
+    read at once, the megabytes still in the socket after reading resumed took more than the
+    timeout to drain on a loaded machine.)"""
+    monkeypatch.setattr(h2, "REQUEST_IDLE_TIMEOUT", 3.0, raising=False)
     srv = server[0]
     c = Client(srv.bound_port, window=1 << 30)
     _send(c, h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30)))
@@ -326,6 +330,8 @@ def test_a_request_is_not_cut_while_the_server_stops_reading_its_client(
     wait_for(lambda: conn.reads is not None and conn.reads.when() > armed.when(), 5,
              "a sweep ran while reading was paused")
     assert upload in conn.streams and not conn.streams[upload].answered  # before: cut (DEADLINE_EXCEEDED)
+    next_sweep = conn.reads.when() - conn.loop.time()  # the loop's clock (monotonic), read from here
+    time.sleep(max(0.0, next_sweep - 1.0))
     headers, data, _ = c.answer(big)
     assert headers["grpc-status"] == "0" and len(data) == 5 + 20_000_000
     _send(c, h2.frame(h2.DATA, h2.END_STREAM, upload, b"x" * 800))
