@@ -60,13 +60,12 @@ def enable_multiprocess_metrics() -> Path:
     return path
 
 
-def remove_abandoned(parent: Path) -> list[Path]:
+def remove_abandoned(parent: Path) -> None:
     """Remove the metrics directories under ``parent`` whose owners are all gone (no process holds
-    the lock on their ``OWNER`` file: the lock dies with the last process holding it open); returns
-    those removed. In a pod, /tmp is an emptyDir that outlives the container: a container restarted
-    again and again (an OOM kill) left a directory of ~1 MB files per worker each time. One without
-    the file (being made, or made by an older server) is left alone."""
-    removed = []
+    the lock on their ``OWNER`` file: the lock dies with the last process holding it open). In a
+    pod, /tmp is an emptyDir that outlives the container: a container restarted again and again (an
+    OOM kill) left a directory of ~1 MB files per worker each time. One without the file (being
+    made, or made by an older server) is left alone."""
     for directory in parent.glob(PREFIX + "*"):
         try:
             fd = os.open(directory / OWNER, os.O_RDONLY)
@@ -79,8 +78,6 @@ def remove_abandoned(parent: Path) -> list[Path]:
         finally:
             os.close(fd)  # (a lock taken is let go with it)
         shutil.rmtree(directory, ignore_errors=True)
-        removed.append(directory)
-    return removed
 
 
 @contextlib.contextmanager

@@ -351,7 +351,7 @@ class Emulator(kmock.KubernetesEmulator):
         if method == 'DELETE' and not sub:
             code, obj = self.store.delete(rd, namespace, name, self._delete_options(request), dry_run)
             if dry_run:
-                gone = not obj['metadata'].get('finalizers')
+                gone = not self.store._blockers(rd, obj)
             else:
                 gone = self.store.objects.get(self.store.key(rd, namespace, name)) is None
             if gone and (rd.group, rd.plural) not in RETURNS_DELETED_OBJECT:
