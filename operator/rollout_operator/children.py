@@ -61,6 +61,13 @@ class Target:
         return f"{self.name}-runtime"
 
 
+def child_name(kind: str, owner: str) -> str:
+    """The name of the child of ``kind`` that the operator makes for the ModelDeployment ``owner``
+    (``render_all``): an object of another name is no child of it, whatever owns it."""
+    target = Target(owner, "")
+    return {"ConfigMap": target.routing, "Service": target.name}.get(kind, target.runtime)
+
+
 def owner_reference(body: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The controller ownerReference to a ModelDeployment, so children are garbage-collected."""
     meta = body["metadata"]

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import kopf
 
-from .children import GROUP, OWNER_LABEL
+from .children import GROUP, OWNER_LABEL, child_name
 from .ports import ClusterPorts
 from .rollout import Event
 from .wakeups import WakeUps
@@ -74,7 +74,20 @@ async def runtime_pod_changed(body: kopf.Body, type: str | None, labels: kopf.La
 
 async def _child_changed(body: kopf.Body, type: str | None, labels: kopf.Labels, memo: Any,  # noqa: A002
                          **_: Any) -> None:
+    if labels.get(OWNER_LABEL) is None and not _may_be_child(body):
+        return
     memo.wakeups.on_child(type, dict(body), labels.get(OWNER_LABEL))
+
+
+def _may_be_child(body: kopf.Body) -> bool:
+    """Whether an object without the owner label may still be a child: none of the ModelDeployments
+    its ownerReferences name (if any) gives a child of its kind its name. A user's object owned by a
+    ModelDeployment only to be garbage-collected with it is not watched (cached, it woke its owner at
+    each change, and every re-list, which lists by the label, reported it deleted while unwatched)."""
+    names = [str(ref.get("name")) for ref in body.metadata.get("ownerReferences") or []
+             if ref.get("kind") == "ModelDeployment" and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")]
+    kind = str(body.get("kind"))
+    return not names or any(child_name(kind, owner) == body.metadata.name for owner in names)
 
 
 # Children edited or deleted by hand wake their owner, whose reconcile puts them back. No label filter:
