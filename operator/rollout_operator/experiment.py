@@ -7,7 +7,8 @@ The first look at which a challenger is ``better`` promotes the winner (``sequen
 those better, the one whose interval lies furthest on the good side); when every challenger is
 ``worse``, or ``maxDuration`` passes without a winner, stable stays and takes all the traffic.
 The challengers are guarded as a canary is: the analysis's threshold metrics (error rate, latency,
-custom; judged once a challenger has ``minRequests`` in the interval) failing ``failureLimit`` looks
+custom; judged once a challenger has ``minRequests`` in the interval, or on errors that break the
+error rate's ``max`` even at minRequests) failing ``failureLimit`` looks
 in a row, or an alert firing for a challenger, abort the experiment: stable takes all the traffic
 back at once (phase RolledBack), and no challenger is promoted meanwhile.
 The decision and its evidence stay in ``status.experiment`` while the spec names the experiment;
@@ -27,7 +28,8 @@ from . import comparisons
 from .sequential import WORSE, Comparison, winner
 from .spec import ModelDeploymentSpec
 from .status import Phase, RolloutStatus, condition, iso, with_condition
-from .verdicts import FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult, Sample, compare_result, guard_results
+from .verdicts import (FAIL, INCONCLUSIVE, PASS, Analysis, MetricResult, Sample, compare_result, decisive_errors,
+                       guard_results)
 
 if TYPE_CHECKING:
     from .rollout import Event, World
@@ -92,17 +94,20 @@ def evaluate(spec: ModelDeploymentSpec, status: RolloutStatus, samples: Mapping[
 def _guards(spec: ModelDeploymentSpec, others: list[str], samples: Mapping[str, Sample], base: Sample,
             ) -> tuple[list[MetricResult], tuple[str, ...] | None, set[str]]:
     """Each challenger's threshold metrics, for those with minRequests in the interval (no verdict
-    without evidence); the challengers that failed one (None: none could be judged); and those
-    judged that passed every one."""
+    without evidence; with fewer, only an error rate its errors break even at minRequests); the
+    challengers that failed one (None: none could be judged); and those judged that passed every one."""
     analysis = spec.strategy.analysis
     guards: list[MetricResult] = []
     judged, breached, passed = False, [], set()
     for version in others:
         sample = samples.get(version)
-        if sample is None or sample.error is not None or sample.requests is None \
-                or sample.requests < analysis.min_requests:
+        if sample is None or sample.error is not None or sample.requests is None:
             continue
         checks = guard_results(analysis, version, sample, base)
+        if sample.requests < analysis.min_requests:  # judged only on errors that break the rate at minRequests
+            if not decisive_errors(analysis, sample, False):
+                continue
+            checks = [c for c in checks if c.name == f"error-rate ({version})" and c.verdict == FAIL]
         judged = judged or bool(checks)
         guards.extend(checks)
         if any(c.verdict == FAIL for c in checks):

@@ -4,7 +4,8 @@ A provider returns, per version, a ``Sample`` of what happened in the last inter
 errors, latency quantiles, custom query values, the shadow runs of a shadow step, the counts of
 ``compare: stable`` metrics). ``evaluate`` turns canary and stable samples into one ``Analysis``:
 ``pass``, ``fail`` or ``inconclusive``. Too little canary traffic (shadow runs, in a shadow step),
-or a metric with no value, is inconclusive: it holds the step and never counts as a failure. A
+or a metric with no value, is inconclusive: it holds the step and never passes; it fails only when
+the errors already counted break the error rate's ``max`` at minRequests whatever the rest would be. A
 ``compare: stable`` metric that finds the canary worse fails at once (``Analysis.immediate``).
 """
 
@@ -215,13 +216,28 @@ def compare_result(metric: MetricSpec, comparison: Comparison, name: str | None 
                         immediate=verdict == FAIL)
 
 
+def decisive_errors(spec: AnalysisSpec, canary: Sample, shadow: bool) -> str:
+    """Below minRequests: why the errors already counted break the error rate's ``max`` even had
+    the interval reached minRequests with every other request a success ("" when they do not).
+    More requests could only have lowered the rate to errors / minRequests, so such a look fails
+    (it counts toward failureLimit) rather than holding a canary whose every request fails."""
+    name, errors = (("shadow-error-rate", canary.shadow.errors if canary.shadow else None) if shadow
+                    else ("error-rate", canary.errors))
+    limit = min((m.max for m in spec.metrics_for(shadow) if m.name == name and m.max is not None), default=None)
+    if limit is None or errors is None or errors / spec.min_requests <= limit:
+        return ""
+    return (f"its {errors:g} error{'' if errors == 1 else 's'} alone break {name.replace('-', ' ')} <= {limit:g} at minRequests "
+            f"({errors:g}/{spec.min_requests} = {errors / spec.min_requests:.4g})")
+
+
 def evaluate(spec: AnalysisSpec, canary: Sample, stable: Sample | None, now: float, step: int = 0,
              shadow: bool = False, sequential: Mapping[str, Any] | None = None) -> Analysis:
     """One check of the step ``step`` (a shadow step: ``shadow``), by the metrics that judge it.
     No canary request count (shadow runs), or fewer than minRequests: inconclusive, whatever the
     threshold metrics say (a custom query that answers with no traffic, ``... or vector(0)``,
-    passes nothing); a compare: stable metric judges its counts since the rollout started, so it
-    fails the canary even then. ``sequential`` is status.sequential before this look."""
+    passes nothing); it fails only when the errors counted break the error rate's ``max`` even at
+    minRequests (``decisive_errors``), or by a compare: stable metric, which judges its counts
+    since the rollout started. ``sequential`` is status.sequential before this look."""
     prior = dict(sequential or {})
     if canary.error is not None:
         return Analysis(now, INCONCLUSIVE, (), None, f"no data: {canary.error}", prior or None, shadow)
@@ -242,6 +258,9 @@ def evaluate(spec: AnalysisSpec, canary: Sample, stable: Sample | None, now: flo
         message = (f"no {what[0]} count (no series, or a pod could not be scraped): no verdict without evidence"
                    if requests is None else
                    f"only {requests:g} {what[1]} in the interval (minRequests {spec.min_requests})")
+        decisive = None if requests is None else decisive_errors(spec, canary, shadow)
+        if decisive:
+            return Analysis(now, FAIL, tuple(results), requests, f"{message}, but {decisive}", kept, shadow)
         return Analysis(now, FAIL if worse else INCONCLUSIVE, tuple(results), requests, message, kept, shadow)
     verdicts = {r.verdict for r in results}
     if FAIL in verdicts:

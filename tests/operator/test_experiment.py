@@ -247,9 +247,10 @@ def test_a_clean_look_resets_the_count_and_one_without_enough_traffic_judges_no_
     bad = {"v1": served(1000, 0), "v2": served(1000, 300), "v3": served(1000, 0)}
     st, _ = decide(guarded(), st, ALL_READY, experiment.evaluate(guarded(), st, bad, T0 + 5), T0 + 5)
     assert st.failures == 1
-    thin = experiment.evaluate(guarded(), st, {"v1": served(1000, 0), "v2": served(49, 49), "v3": served(49, 0)},
+    # 49 < minRequests: no verdict either way (v2's 2 errors would be 4% of 50 requests, within the 5% max)
+    thin = experiment.evaluate(guarded(), st, {"v1": served(1000, 0), "v2": served(49, 2), "v3": served(49, 0)},
                                T0 + 10)
-    assert thin.breached is None and thin.verdict == INCONCLUSIVE  # 49 < minRequests: no verdict either way
+    assert thin.breached is None and thin.verdict == INCONCLUSIVE
     st, _ = decide(guarded(), st, ALL_READY, thin, T0 + 10)
     assert st.failures == 1
     clean = experiment.evaluate(guarded(), st, {"v1": served(1000, 0), "v2": served(1000, 10), "v3": served(1000, 0)},
@@ -264,7 +265,8 @@ def test_a_better_challenger_is_promoted_only_once_judged_on_its_guards_in_that_
     interval; a challenger too thin in the interval, or with no request count, was promoted unguarded."""
     st = running()
     conv = {"v1": (1000, 10000), "v2": (1600, 10000), "v3": (1000, 10000)}
-    thin, uncounted = served(49, 49, p99=9.0, conv=conv["v2"]), Sample(requests=None, counts=served(0, 0, conv=conv["v2"]).counts)
+    thin = served(49, 2, p99=9.0, conv=conv["v2"])  # its 2 errors: 4% of minRequests, within the max
+    uncounted = Sample(requests=None, counts=served(0, 0, conv=conv["v2"]).counts)
     for v2 in (thin, uncounted):
         samples = {"v1": served(1000, 0, conv=conv["v1"]), "v2": v2, "v3": served(1000, 0, conv=conv["v3"])}
         look = experiment.evaluate(guarded(), st, samples, T0 + 5)
@@ -276,6 +278,24 @@ def test_a_better_challenger_is_promoted_only_once_judged_on_its_guards_in_that_
                "v3": served(1000, 0, conv=conv["v3"])}
     st, events = decide(guarded(), st, ALL_READY, experiment.evaluate(guarded(), st, samples, T0 + 10), T0 + 10)
     assert reasons(events) == ["ExperimentConcluded", "RolloutPromoted"] and st.stable_version == "v2"
+
+
+def test_a_thin_challenger_whose_errors_break_the_rate_even_at_min_requests_is_judged_on_them() -> None:
+    """Fewer than minRequests (50) in the interval, but 3 errors are 6% of 50, over the 5% max whatever
+    the rest would have been: the look fails on the error rate alone (its thin p99 is not judged), and
+    a challenger better on the metric is not promoted; 2 errors (4%) stay unjudged."""
+    st = running()
+    conv = {"v1": (1000, 10000), "v2": (1600, 10000), "v3": (1000, 10000)}
+    samples = {"v1": served(1000, 0, conv=conv["v1"]), "v2": served(20, 3, p99=9.0, conv=conv["v2"]),
+               "v3": served(1000, 0, conv=conv["v3"])}
+    look = experiment.evaluate(guarded(), st, samples, T0 + 5)
+    assert look.verdict == FAIL and look.breached == ("v2",), look
+    assert [m.name for m in look.metrics if m.name.endswith("(v2)")] == ["error-rate (v2)"]
+    st, events = decide(guarded(), st, ALL_READY, look, T0 + 5)
+    assert st.failures == 1 and st.stable_version == "v1" and events == []
+    samples["v2"] = served(20, 2, p99=9.0, conv=conv["v2"])
+    look = experiment.evaluate(guarded(), st, samples, T0 + 10)
+    assert look.verdict == INCONCLUSIVE and look.breached == (), look
 
 
 def test_an_alert_firing_for_a_challenger_aborts_the_experiment_at_once() -> None:

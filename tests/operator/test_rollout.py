@@ -119,6 +119,21 @@ def test_inconclusive_checks_never_count_as_failures() -> None:
     assert st.phase == Phase.PROGRESSING and st.failures == 1
 
 
+def test_a_canary_failing_every_request_below_min_requests_is_rolled_back_not_held() -> None:
+    """Found in a chaos soak: a bad canary whose pod was killed got 4 requests in an interval, all errors,
+    against minRequests 10: held as inconclusive until its progress deadline (phase Failed). 4 errors are
+    40% of 10 requests whatever the rest would be: two such looks roll it back, as two failed looks do."""
+    from rollout_operator.verdicts import Sample, evaluate
+
+    st, s = progressing(), spec()
+    for i in (1, 2):
+        look = evaluate(s.strategy.analysis, Sample(requests=4, errors=4), Sample(requests=100, errors=0), T0 + i)
+        st, events = decide(s, st, READY, look, T0 + i)
+    assert st.phase == Phase.ROLLED_BACK and reasons(events) == ["RolloutAborted"], events
+    assert "error-rate = 1 breached error rate <= 0.05" in events[0].message
+    assert "its 4 errors alone break error rate <= 0.05 at minRequests" in st.analysis["message"]
+
+
 def test_a_pass_resets_the_consecutive_failure_count() -> None:
     st, _ = decide(spec(), progressing(failures=1), READY, verdict(PASS), T0 + 1)
     assert st.failures == 0
