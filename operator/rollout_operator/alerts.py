@@ -4,17 +4,20 @@ the A/B experiment one of whose challengers it names).
 An alert names a ModelDeployment by labels ``namespace`` + ``modeldeployment`` (or ``name``), or by
 ``model`` + ``version`` (the canary being rolled out, or a challenger of a running experiment); a
 ``version`` label beside ``namespace`` + ``modeldeployment`` must name one of those too. The
-webhook only marks the object (the ``mnnrollout.io/alert`` annotation, ``alertname@startsAt@instance@canary``, or ``@v2,v3``: an
-experiment's challengers; instance: the hash of the alert's labels, as one rule fires an alert per
-label set; one mark per alert firing, ``;``-separated) while the alert fires, and
-removes that alert's mark when Alertmanager reports it resolved (another alert still firing keeps
-its own: a retried canary is rolled back again while any fires). It remembers that resolve
-(``mnnrollout.io/alert-resolved``: ``alertname@startsAt@instance``, the last ``MAX_RESOLVED``), and
-for each alert keeps its latest start only, so a notification arriving late (a retry, another
-Alertmanager replica's copy) never marks again: a firing that started before, or at, what was already
-handled for that alert changes nothing, while a new firing (a later startsAt) marks; each write carries the object's
-resourceVersion, so two webhook calls at once never lose a mark; the replica that holds the peering lease
-acts on it at once through its update handler, so any replica may receive the webhook. Bad payloads get 400, a
+webhook only marks the object (the ``mnnrollout.io/alert`` annotation,
+``alertname@startsAt@instance@canary``, or ``@v2,v3``: an experiment's challengers; instance: the
+hash of the alert's labels, as one rule fires an alert per label set; one mark per alert firing,
+``;``-separated) while the alert fires, and removes that alert's mark when Alertmanager reports it
+resolved (another alert still firing keeps its own: a retried canary is rolled back again while any
+fires). It remembers that resolve (``mnnrollout.io/alert-resolved``: ``alertname@startsAt@instance``,
+the last ``MAX_RESOLVED``) on each object it marked and each it names, even one it never marked (Alertmanager
+retries, and an HA pair each sends, so a resolve can arrive before its firing), and for each alert
+keeps its latest start only, so a notification arriving late never marks again: a firing that
+started before, or at, what was already handled for that alert changes nothing, while a new firing
+(a later startsAt) marks. The operator reads the alert annotation only (the resolved one wakes
+nothing). Each write carries the object's resourceVersion, so two webhook calls at once never lose a
+mark; the replica that holds the peering lease acts on it at once through its update handler, so any
+replica may receive the webhook. Bad payloads get 400, a
 missing or wrong bearer token 401, and neither changes anything. A connection has ``idle_timeout_s`` from
 its accept to send its whole request (request line, headers, body; a byte at a time does not extend it)
 or is closed, and at most ``max_connections`` are served at once: at the cap a new connection closes the
@@ -135,9 +138,10 @@ def list_modeldeployments(kube: KubeClient, namespaces: list[str] | None) -> lis
 
 def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str] | None) -> list[str]:
     """Mark every ModelDeployment a firing alert names (``alertname@startsAt@instance@canary``, beside
-    the marks of other alerts firing), and take a resolved alert's mark off those it marked; returns
-    ``namespace/name`` of each object marked, once. A mark stays while its alert fires, so a retried
-    canary is rolled back again until every alert on it resolves."""
+    the marks of other alerts firing), and take a resolved alert's mark off those it marked, remembering
+    the resolve there and on those it names; returns ``namespace/name`` of each object marked, once. A
+    mark stays while its alert fires, so a retried canary is rolled back again until every alert on it
+    resolves."""
     marked: list[str] = []
     for alert in alerts:
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
@@ -148,10 +152,18 @@ def handle(kube: KubeClient, alerts: list[dict[str, Any]], namespaces: list[str]
                   f"{instance(labels)}@")
         if alert["status"] == "resolved":
             log.info("alert %s resolved: %s", alertname, labels)
-            for md in marked_by(kube, prefix, labels.get("namespace"), namespaces):
+            # the objects it marked, and those it names though it marked nothing there (yet): its
+            # firing notification may still arrive, late, and must then find the resolve
+            found = {(md["metadata"]["namespace"], md["metadata"]["name"]): md
+                     for md in [*marked_by(kube, prefix, labels.get("namespace"), namespaces),
+                                *targets(kube, labels, namespaces)]}
+            for md in found.values():
+                meta = md["metadata"]
+                had = any(_of(m, prefix) for m in marks_of(md))
                 if _remark(kube, md, lambda marks: _resolve(marks, prefix)):  # noqa: B023
-                    log.info("alert %s mark removed from %s/%s", alertname, md["metadata"]["namespace"],
-                             md["metadata"]["name"])
+                    log.log(logging.INFO if had else logging.DEBUG, "alert %s %s %s/%s", alertname,
+                            "mark removed from" if had else "remembered as resolved on", meta["namespace"],
+                            meta["name"])
             continue
         for md in targets(kube, labels, namespaces):
             meta = md["metadata"]
@@ -185,10 +197,21 @@ def _of(mark: str, prefix: str) -> bool:
 
 
 def _resolve(marks: list[str], prefix: str) -> list[str]:
-    """``marks`` without the firing mark of an alert's ``name@startsAt@instance@`` prefix, and, if it
-    had one, with the prefix alone (resolved) in its place."""
+    """``marks`` once the alert of the ``name@startsAt@instance@`` prefix resolved: without its firing
+    mark, and with the prefix alone (resolved) in place of any earlier resolve of that alert, even when
+    it marked nothing here (its firing notification may arrive after the resolve, and must then mark
+    nothing). Not remembered when the alert has a later start there (this resolve arrived late); the
+    firing mark of another, earlier start stays (that start's own resolve takes it off)."""
+    name, start, same, _ = prefix.split("@", 3)
+
+    def alert(m: str) -> bool:
+        parts = m.split("@")
+        return len(parts) == 4 and parts[0] == name and parts[2] == same
+
     kept = [m for m in marks if not _of(m, prefix)]
-    return kept if kept == marks else [*(m for m in kept if m != prefix), prefix]
+    if any(alert(m) and not _not_before(start, m.split("@")[1]) for m in kept) or (kept == marks and prefix in marks):
+        return kept  # a later start there, or this resolve remembered already
+    return [*(m for m in kept if not (alert(m) and m.endswith("@"))), prefix]
 
 
 START = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)",
