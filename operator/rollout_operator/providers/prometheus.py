@@ -8,6 +8,10 @@ data yet, never the traffic of the step (or the canary file) before it.
 ``compare: stable`` metrics read each role's ``increase()`` since the step started (the stratum's
 counts so far, ``Sample.since_step``); a shadow step reads the shadow version's ``mnn_shadow_*``
 series over the interval.
+
+An object whose pods are scraped with its ``namespace`` and ``modeldeployment`` labels is read from
+those series alone; series without the labels (a static scrape config) only for an object none of whose
+pods carried them within the last hour (see ``scoped``).
 """
 
 from __future__ import annotations
@@ -23,17 +27,24 @@ from .base import QUANTILES, SampleContext
 from .direct import is_counter
 
 # One ModelDeployment's series: its model and version, in its namespace and of its pods, as the chart's
-# PodMonitor labels them (OWN); when none of its series carry the labels (a static scrape config), those
-# without them (SELECTOR: labelled or not). Never both: an unlabelled pod's traffic is no labelled object's
+# PodMonitor labels them (OWN); when the object's pods were not scraped with those labels within the horizon
+# (a static scrape config), the series without them (SELECTOR: labelled or not). Never both, and never the
+# unlabelled ones for an object whose pods carry the labels, whether or not this version or query has series
+# now (a canary not loaded yet, pods down or gone): the unlabelled series are other objects' traffic then.
 OWN = 'model="{model}",version="{version}",namespace="{namespace}",modeldeployment=~"{name_regex}"'
 SELECTOR = 'model="{model}",version="{version}",namespace=~"{namespace}|",modeldeployment=~"{name_regex}|"'
-LABELLED = 'count({__name__=~"mnn_.+",%s})' % OWN  # any series of the object carrying its labels
+# One answer (1) when no pod of the object was scraped with its labels within {horizon}: ``up`` carries a
+# PodMonitor's target labels even while scrapes fail; every runtime exports mnn_runtime_start_time_seconds
+UNLABELLED = ('absent_over_time({__name__=~"up|mnn_runtime_start_time_seconds",namespace="{namespace}",'
+              'modeldeployment=~"{name_regex}"}[{horizon}])')
+HORIZON_SECONDS = 3600  # how long an object's labelled pods count as there after their last scrape
 
 
 def scoped(query: Callable[[str], str]) -> str:
-    """``query(selector)`` over the object's own labelled series, or, when it has none, over the
-    series without the labels (one PromQL expression: both read at the same instant)."""
-    return f"(({query(OWN)}) or ({query(SELECTOR)} unless on() {LABELLED}))"
+    """``query(selector)`` over the object's own labelled series, or, when its pods were not scraped
+    with the labels within the horizon, over the series without them (one PromQL expression: both
+    read at the same instant, the same choice for every query of a sample)."""
+    return f"(({query(OWN)}) or ({query(SELECTOR)} and on() {UNLABELLED}))"
 
 
 QUERIES = {
@@ -115,9 +126,10 @@ class PrometheusProvider:
                 return {version: Sample(error=why) for version in ctx.versions}
             seconds = min(seconds, span)
         window = f"{int(seconds)}s"
+        horizon = f"{max(int(seconds), HORIZON_SECONDS)}s"
         out = {}
         for version in ctx.versions:
-            values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window,
+            values = dict(model=ctx.model, version=version, namespace=ctx.namespace, interval=window, horizon=horizon,
                           name_regex=ctx.name.replace(".", "\\\\."))  # a name's dots, literal in PromQL's regex
             try:
                 requests = self.query(_fill(QUERIES["requests"], values), at)
@@ -149,8 +161,9 @@ class PrometheusProvider:
             if span < MIN_WINDOW_SECONDS:
                 out[m.name] = {role: None for role in m.role_series()}
                 continue
+            at_span = {**values, "horizon": f"{max(int(span), HORIZON_SECONDS)}s"}
             out[m.name] = {role: self.query(_fill(scoped(
-                lambda s: f"sum(increase({series.promql(s)}[{int(span)}s]))"), values), at)  # noqa: B023
+                lambda s: f"sum(increase({series.promql(s)}[{int(span)}s]))"), at_span), at)  # noqa: B023
                 for role, series in m.role_series().items()}
         return out
 
@@ -197,7 +210,7 @@ def custom_query(metric: MetricSpec) -> str:
 
 
 def _fill(template: str, values: Mapping[str, str]) -> str:
-    """Replace {model}, {version}, {namespace}, {interval}, {q}; other braces (PromQL) stay."""
+    """Replace {model}, {version}, {namespace}, {interval}, {horizon}, {q}; other braces (PromQL) stay."""
     out = template
     for key, value in values.items():
         out = out.replace("{" + key + "}", value)
