@@ -50,7 +50,6 @@ class Store(Lifecycle):
         self.rv = 0
         self.objects = Objects()
         self.history: collections.deque[Event] = collections.deque(maxlen=max(1, history_size))
-        self.policies: dict[Key, str] = {}  # deletion propagation remembered until finalizers clear
         self.compacted_rv = 0  # watches from an older resourceVersion get 410 Gone
         self.listeners: dict[tuple[str, str], set[Callable[[Event], None]]] = {}  # by (group, plural)
         self.closed = False  # set at shutdown: open watches end
@@ -342,6 +341,8 @@ class Store(Lifecycle):
         if obj['metadata'].get('ownerReferences') and self.schedule is not None:
             key = self.key(rd, obj['metadata'].get('namespace'), obj['metadata']['name'])
             self.schedule(0.2, lambda: self._collect_orphan(key))
+        if obj['metadata'].get('ownerReferences') or (old or {}).get('metadata', {}).get('ownerReferences'):
+            self._wake_owners(obj['metadata'], *([old['metadata']] if old else []))
 
     # --- update / patch --------------------------------------------------------------------------
 

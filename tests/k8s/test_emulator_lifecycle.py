@@ -2,6 +2,7 @@
 import time
 
 import pytest
+from mnn_rollout.local.net import wait_for
 
 from .helpers import CONFIGMAPS, WIDGETS, configmap, ok, watch, widget
 
@@ -76,6 +77,8 @@ def test_orphan_propagation_keeps_dependents_and_strips_the_owner_reference(api,
     owner = ok(api.request('POST', WIDGETS.format(ns=ns), widget('owner')), 201)
     ok(api.request('POST', CONFIGMAPS.format(ns=ns), configmap('kept', ownerReferences=[owner_ref(owner)])), 201)
     ok(api.request('DELETE', WIDGETS.format(ns=ns) + '/owner?propagationPolicy=Orphan'))
+    # the owner goes once the garbage collector has stripped the references and its "orphan" finalizer
+    wait_for(lambda: api.request('GET', WIDGETS.format(ns=ns) + '/owner')[0] == 404, 10, 'the owner gone')
     assert 'ownerReferences' not in ok(api.request('GET', CONFIGMAPS.format(ns=ns) + '/kept'))['metadata']
 
 
