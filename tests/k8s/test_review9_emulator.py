@@ -153,3 +153,16 @@ def test_kubectl_delete_cascade_sends_the_policy_and_waits_for_the_object(api, n
                                                    'timeoutSeconds': '1'})
     assert [e['type'] for e in events] == ['MODIFIED', 'DELETED']
     assert events[0]['object']['metadata']['finalizers'] == [{'foreground': 'foregroundDeletion'}.get(cascade, cascade)]
+
+
+def test_a_dry_run_foreground_delete_answers_the_marked_object_and_changes_nothing(api, ns):
+    created = ok(api.request('POST', WIDGETS.format(ns=ns), widget('dry')), 201)
+    status, body = api.request('DELETE', WIDGETS.format(ns=ns) + '/dry?dryRun=All&propagationPolicy=Foreground')
+    assert status == 200 and body['kind'] == 'Widget', body  # store.go: the dry-run update's object
+    assert body['metadata']['finalizers'] == ['foregroundDeletion'] and body['metadata']['deletionTimestamp']
+    ok(api.request('POST', WIDGETS.format(ns=ns), widget('real')), 201)  # the positive signal: the collector ran
+    ok(api.request('DELETE', WIDGETS.format(ns=ns) + '/real?propagationPolicy=Foreground'))
+    wait_for(lambda: gone(api, WIDGETS.format(ns=ns) + '/real'), 10, 'the real delete done by the collector')
+    stored = ok(api.request('GET', WIDGETS.format(ns=ns) + '/dry'))
+    assert stored['metadata']['resourceVersion'] == created['metadata']['resourceVersion']
+    assert 'finalizers' not in stored['metadata'] and 'deletionTimestamp' not in stored['metadata']
