@@ -295,6 +295,12 @@ def stamp_holds(live: Mapping[str, Any]) -> bool:
     return spec_hash(live) == digest(_stamped_content(live))
 
 
+def edited_unwatched(live: Mapping[str, Any]) -> bool:
+    """Whether ``live`` is a routing ConfigMap an operator stamped and someone edited since: its
+    spec-hash annotation is there but no longer the digest of what it holds."""
+    return live.get("kind") == "ConfigMap" and spec_hash(live) is not None and not stamp_holds(live)
+
+
 def _data_writer(live: Mapping[str, Any]) -> tuple[str, str] | None:
     """(manager, operation) of the field manager that owns the routing config's text (None: unknown)."""
     for entry in (live.get("metadata") or {}).get("managedFields") or []:

@@ -56,6 +56,10 @@ REPAIRED = "repaired: "  # a write_children result: fields edited by hand were p
 # values change.
 NOT_REPAIRED = "not repaired: "
 KEPT = "kept: "
+CREATED_AS = " (created)"  # the end of a NOT_REPAIRED result for a child this apply created
+# A write_children result: a routing ConfigMap edited while no operator watched (its content no longer
+# matches its spec-hash, and this replica remembers no write of its own), kept as found: nothing to put back.
+ADOPTED = "adopted: "
 UNDONE_RETRY_SECONDS = 60.0
 DELETED = "deleted"  # a delete_children result
 # The field manager that holds a Deployment's replicas while the operator's lets go of them for an
@@ -260,9 +264,13 @@ class ClusterPorts:
         operator stops rendering (autoscaling) gets them applied under ``HANDOVER_MANAGER`` first,
         so that they stay (``children.replicas_handover``). When the API server answers an apply
         with other values than it asked for, the child is ``not repaired: <field> = <value kept>``
-        once, then ``kept: ...`` (see ``UNDONE_RETRY_SECONDS``)."""
+        once, then ``kept: ...`` (see ``UNDONE_RETRY_SECONDS``); so too the apply that creates it
+        (``not repaired: ... (created)``). A routing ConfigMap edited while no operator watched (a
+        restarted one remembers no write of its own) is ``repaired: <fields>`` when this apply changes
+        what it holds, else ``adopted: ...``."""
         written = {}
         for obj in objs:
+            edited_unseen = False
             key = f"{obj['kind']}/{obj['metadata']['name']}"
             self.cache.rendered(obj)
             live = self._live(obj)
@@ -275,6 +283,11 @@ class ClusterPorts:
                 applied = {path for path, _ in children.drift_values(live, obj)}
                 edited = [(path, value) for path, value in children.drift_values(live, ours or {})
                           if path in applied and children.HASH_ANNOTATION not in path]
+            elif not same_hash and live is not None and ours is None and children.edited_unwatched(live):
+                # edited while no operator watched: what this apply changes was edited (the stamp aside)
+                edited = [(path, value) for path, value in children.drift_values(live, obj)
+                          if children.HASH_ANNOTATION not in path]
+                edited_unseen = not edited  # nothing this apply changes: kept as found
             child, rendering = WatchCache._child_key(obj), json.dumps(obj, sort_keys=True)
             undone = self._undone.get(child)
             if same_hash and not edited:
@@ -299,7 +312,7 @@ class ClusterPorts:
             result.setdefault("kind", obj["kind"])
             self.cache.put_child(result)  # written through: the next reconcile sees it before the watch does
             self.cache.published(obj, written=True)
-            kept = children.drift_values(result, obj) if live is not None else []
+            kept = children.drift_values(result, obj)
             repaired = [path for path, _ in edited if path not in {p for p, _ in kept}]
             said = undone is not None and undone[1] == _values(kept)
             if kept:
@@ -308,11 +321,14 @@ class ClusterPorts:
                 self._undone.pop(child, None)
             if kept and not said:
                 put_back = f" (put back: {', '.join(repaired)})" if repaired else ""
-                written[key] = f"{NOT_REPAIRED}{_values(kept)}{put_back}"
+                written[key] = f"{NOT_REPAIRED}{_values(kept)}{put_back}{CREATED_AS if live is None else ''}"
             elif repaired:
                 written[key] = f"{REPAIRED}{', '.join(repaired)}"
             elif kept and same_hash:
                 written[key] = f"{KEPT}{_values(kept)}"
+            elif edited_unseen:
+                written[key] = f"{ADOPTED}edited while no operator watched (its content no longer matches its " \
+                               f"{children.HASH_ANNOTATION}): kept as found"
             else:
                 written[key] = "created" if live is None else "updated"
         return written

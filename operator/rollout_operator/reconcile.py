@@ -31,7 +31,7 @@ from .analyzer import analysing, next_due
 from .kube import ApiError
 from .metrics import OperatorMetrics
 from .observe import Observation, shadow_text, weights_text
-from .ports import DELETED, NOT_REPAIRED, REJECTED, REPAIRED, Ports
+from .ports import ADOPTED, CREATED_AS, DELETED, NOT_REPAIRED, REJECTED, REPAIRED, Ports
 from .rollout import Event, World, decide, mark_invalid, rollback_target, routed_versions, unlisted_stable
 from .spec import DEFAULT_IMAGE, ModelDeploymentSpec, SpecError, name_problem, parse_spec
 from .status import Phase, RolloutStatus, condition, pending_rollback, with_condition, with_pending_rollback
@@ -333,7 +333,11 @@ class Reconciler:
             events.append(Event("Warning", "DriftNotRepaired", "the API server kept other values than applied "
                                 "(another actor, such as a mutating webhook, rewrites them): " + "; ".join(
                                     f"{k} {v}" for k, v in undone.items())))
-        created = [k for k, v in written.items() if v == "created"]
+        adopted = {k: v.removeprefix(ADOPTED) for k, v in written.items() if v.startswith(ADOPTED)}
+        if adopted:
+            events.append(Event("Warning", "DriftAdopted", "; ".join(f"{k} {v}" for k, v in adopted.items())))
+        created = [k for k, v in written.items() if v == "created" or (v.startswith(NOT_REPAIRED)
+                                                                        and v.endswith(CREATED_AS))]
         if created:
             reason = "ChildrenCreated" if first else "ChildrenRecreated"
             events.append(Event("Normal" if first else "Warning", reason, f"created {', '.join(created)}"))

@@ -6,20 +6,30 @@ report it deleted while unwatched. A real child stripped of its label is still w
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import kopf
+import kubernetes
 import pytest
+import yaml
 
 from rollout_operator import children, main
 from rollout_operator.kube import KubeClient
-from rollout_operator.ports import ClusterPorts
+from rollout_operator.ports import ADOPTED, CREATED_AS, KEPT, NOT_REPAIRED, ClusterPorts
+from rollout_operator.reconcile import Reconciler
+from rollout_operator.spec import parse_spec
+from rollout_operator.status import RolloutStatus
 from rollout_operator.wakeups import WakeUps
+from testbed.cluster import Cluster, wait_for
 from testbed.k8s.harness import EmulatorProcess
 from tests.operator.test_e2e_autoscaling import k8s_emulator, kube, owners, rendered  # noqa: F401 - the fixtures
+from tests.operator.test_e2e_basic import ready_cluster
+from tests.operator.test_review5_routing_edit import ROUTING, rotated, table_of
+from tests.operator.test_review_handedits import MirroringKube
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 
 def _event(memo: Any, body: dict[str, Any], event_type: str | None) -> None:
@@ -70,3 +80,89 @@ def test_an_object_a_modeldeployment_owns_that_is_no_child_is_not_watched(
 def test_child_name_is_the_name_each_rendered_child_has(kind: str, name: str) -> None:
     spec = {"runtime": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetCPUUtilizationPercentage": 50}}}
     assert rendered(spec)[kind]["metadata"]["name"] == name == children.child_name(kind, "scorer")
+
+
+# -- the children's writes (ports.ClusterPorts.write_children) ---------------------------------------------
+
+
+def test_the_apply_that_creates_a_child_is_checked_as_later_ones_are(k8s_emulator: EmulatorProcess) -> None:
+    """A mutating webhook rewrites the image of every Deployment written, the first one too."""
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}]})
+    target = children.Target("mirrored", "default")
+    deployment = children.render_deployment(target, spec, children.runtime_config(spec, "mirrored", {"v1": 100},
+                                                                                  "v1", ["v1"]))
+    cfg = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=str(k8s_emulator.kubeconfig_path), client_configuration=cfg)
+    mirroring = MirroringKube(cfg, backoff_base=0.02)
+    try:
+        ports = ClusterPorts(mirroring)
+        ports.cache.synced = True
+        (result,) = ports.write_children([deployment]).values()
+        # before: "created", the image the webhook put there unseen until a second apply
+        assert result.startswith(NOT_REPAIRED) and result.endswith(CREATED_AS), result
+        assert "spec.template.spec.containers[0].image = 'mirror.example/" in result
+        events = Reconciler._child_events(True, RolloutStatus(), RolloutStatus(), {"Deployment/mirrored-runtime":
+                                                                                   result})
+        assert [(e.type, e.reason) for e in events] == [("Warning", "DriftNotRepaired"), ("Normal", "ChildrenCreated")]
+        assert events[1].message == "created Deployment/mirrored-runtime"
+        writes = len(k8s_emulator.write_requests("deployments"))
+        (again,) = ports.write_children([deployment]).values()  # said once, not applied again at once
+        assert again.startswith(KEPT) and len(k8s_emulator.write_requests("deployments")) == writes
+    finally:
+        mirroring.close()
+
+
+def _routing(owner: dict[str, Any], ports: ClusterPorts, weights: dict[str, int]) -> dict[str, Any]:
+    spec = parse_spec({"versions": [{"name": "v1", "uri": "/m/v1.mnn"}, {"name": "v2", "uri": "/m/v2.mnn"}]})
+    target = children.Target("scorer", "default", children.owner_reference(owner))
+    config = children.runtime_config(spec, "scorer", weights, "v1", ["v1", "v2"], ports.published_table(target))
+    return children.render_configmap(target, config)
+
+
+def test_a_routing_table_edited_while_no_operator_watched_is_said_when_found(
+        k8s_emulator: EmulatorProcess, owners: dict[str, dict[str, Any]], kube: KubeClient) -> None:  # noqa: F811
+    before = ClusterPorts(kube)
+    assert before.write_children([_routing(owners["scorer"], before, {"v1": 90, "v2": 10})]) == {
+        "ConfigMap/scorer-routing": "created"}
+    # the operator stops; its table is edited, each version keeping its count of buckets (users change version)
+    data, edited = rotated(kube.get("ConfigMap", "default", "scorer-routing") or {})
+    kube.patch("ConfigMap", "default", "scorer-routing", {"data": data})
+    restarted = ClusterPorts(kube)  # remembers nothing: the live table is all it has
+    (result,) = restarted.write_children([_routing(owners["scorer"], restarted, {"v1": 90, "v2": 10})]).values()
+    # before: "updated" (re-stamped), nothing said
+    assert result.startswith(ADOPTED), result
+    assert table_of(kube.get("ConfigMap", "default", "scorer-routing") or {}) == edited  # kept: never all-stable
+    events = Reconciler._child_events(False, RolloutStatus(), RolloutStatus(), {"ConfigMap/scorer-routing": result})
+    assert [(e.type, e.reason) for e in events] == [("Warning", "DriftAdopted")]
+    assert "ConfigMap/scorer-routing edited while no operator watched" in events[0].message
+
+
+def _away(cluster: Cluster, weights: dict[str, int] | None = None) -> tuple[str, ...]:
+    """The operator stopped, its routing table edited by hand (each version keeping its count of
+    buckets), with ``weights`` too, and started again: returns the edited table."""
+    cluster.operators[-1].stop()
+    _, cm = cluster.emu.request("GET", ROUTING)
+    data, edited = rotated(cm)
+    if weights is not None:
+        config = yaml.safe_load(data["runtime.yaml"])
+        config["weights"] = weights
+        data = {"runtime.yaml": yaml.safe_dump(config, sort_keys=False)}
+    cluster.emu.kubectl("patch", "configmap", "scorer-routing", "--type", "merge", "-p", json.dumps({"data": data}))
+    cluster.start_operator()
+    return edited
+
+
+def test_a_restarted_operator_says_what_it_found_edited_in_the_routing_table(cluster: Cluster) -> None:
+    ready_cluster(cluster, weights={"v1": 90, "v2": 10})
+    wait_for(lambda: cluster.configmap_weights() == {"v1": 90, "v2": 10}, 30, "weights 90/10")
+    edited = _away(cluster)
+    # the table is kept as found (the operator remembers none of its own), now with a Warning saying so
+    # (before: re-stamped without a word)
+    wait_for(lambda: any("ConfigMap/scorer-routing edited while no operator watched" in e.get("message", "")
+                         for e in cluster.events() if e["reason"] == "DriftAdopted"), 30, "DriftAdopted")
+    assert table_of(cluster.emu.request("GET", ROUTING)[1]) == edited
+    # the weights edited too: put back, and said as the same edit seen live is (before: put back without a word)
+    _away(cluster, {"v1": 0, "v2": 100})
+    wait_for(lambda: cluster.configmap_weights() == {"v1": 90, "v2": 10}, 30, "the weights put back")
+    wait_for(lambda: any("ConfigMap/scorer-routing data[runtime.yaml].weights.v1" in e.get("message", "")
+                         for e in cluster.events() if e["reason"] == "DriftRepaired"), 20, "DriftRepaired naming them")
