@@ -51,7 +51,7 @@ def test_endpoints_follow_a_deletion_a_few_hundred_ms_late_while_prestop_keeps_t
     kubelet = kubelet_factory(emu, service_delay=0.3)
     dep = tiny_deployment('web', 2)
     container = dep['spec']['template']['spec']['containers'][0]
-    container['lifecycle'] = {'preStop': {'exec': {'command': ['sleep', '2']}}}
+    container['lifecycle'] = {'preStop': {'exec': {'command': ['sleep', '4']}}}  # a window wide enough under load
     dep['spec']['template']['spec']['terminationGracePeriodSeconds'] = 10
     ok(emu.request('POST', DEPLOYMENTS, dep))
     ok(emu.request('POST', f'/api/v1/namespaces/{NS}/services', service('web', 9000)))
@@ -62,16 +62,16 @@ def test_endpoints_follow_a_deletion_a_few_hundred_ms_late_while_prestop_keeps_t
     ok(emu.request('DELETE', f'{PODS}/{victim.name}'), 200)
     wait_for(lambda: (victim.ip, 9000) not in kubelet.service_endpoints('web'), 5, 'the endpoint to go')
     dropped = time.monotonic() - deleted
-    assert 0.3 <= dropped < 1.5, dropped  # after the delay, within a tick or two of it
+    assert 0.3 <= dropped < 2.5, dropped  # after the delay, within a few ticks of it (the host may be loaded)
     # Still in its preStop hook: the pod answers on its own address, the Service sends nothing there.
     assert greeting(f'http://{victim.ip}:9000').split()[2] == victim.name
     assert all(greeting(kubelet.service_url('web')).split()[2] != victim.name for _ in range(15))
-    assert time.monotonic() - deleted < 2, 'too slow to see the preStop window'
+    assert time.monotonic() - deleted < 4, 'too slow to see the preStop window'
     gone = wait_for(lambda: all(p.name != victim.name for p in kubelet.pods('web', NS, include_terminating=True)),
                     15, 'the pod to end')
-    assert gone and time.monotonic() - deleted >= 2  # SIGTERM only after the 2 s hook
+    assert gone and time.monotonic() - deleted >= 4  # SIGTERM only after the 4 s hook
     log = kubelet.log(victim.name)
-    assert "preStop hook: {'exec': {'command': ['sleep', '2']}}" in log
+    assert "preStop hook: {'exec': {'command': ['sleep', '4']}}" in log
 
 
 def test_a_connection_stays_with_its_pod_after_the_pod_left_the_endpoints(k8s_emulator, kubelet):
