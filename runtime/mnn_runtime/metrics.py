@@ -6,6 +6,7 @@ known, so ``rate()`` sees the very first error instead of a series appearing mid
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -152,6 +153,7 @@ class RuntimeMetrics:
         self.shadow = ShadowMetrics(model, self.registry)  # children made for the shadow version only
         self._observed: dict[tuple[str, str], tuple[Any, Any]] = {}  # see observe
         self._in_flight: dict[str, Any] = {}  # see in_flight_of
+        self._feedback: dict[str, tuple[Any, Any, Any]] = {}  # see count_feedback
         self.touch(UNROUTED)
 
     def touch(self, version: str) -> None:
@@ -166,9 +168,18 @@ class RuntimeMetrics:
             self.feedback_squares.labels(self.model, version)
 
     def count_feedback(self, version: str, value: float) -> None:
-        self.feedback.labels(self.model, version).inc()
-        self.feedback_value.labels(self.model, version).inc(value)
-        self.feedback_squares.labels(self.model, version).inc(value * value)
+        """One item, whole in every scrape: with workers, its three series are written holding the
+        lock a scrape takes (``workers_metrics.FeedbackWrites``). In one process a scrape and a
+        feedback request both run on the event loop, so never at once."""
+        children = self._feedback.get(version)
+        if children is None:  # looked up once, as in observe
+            children = self._feedback[version] = (self.feedback.labels(self.model, version),
+                                                  self.feedback_value.labels(self.model, version),
+                                                  self.feedback_squares.labels(self.model, version))
+        with self._feedback_writes:
+            children[0].inc()
+            children[1].inc(value)
+            children[2].inc(value * value)
 
     def set_version_state(self, version: str, weight: int, loaded: bool, load_seconds: float | None,
                           memory_bytes: int | None = None, offloaded: bool = False) -> None:
@@ -234,6 +245,16 @@ class RuntimeMetrics:
                 elif sample.name == "mnn_inference_in_flight_requests":
                     in_flight[version] = in_flight.get(version, 0.0) + sample.value
         return {v: (answered.get(v, 0.0), in_flight.get(v, 0.0)) for v in answered.keys() | in_flight.keys()}
+
+    @functools.cached_property
+    def _feedback_writes(self) -> contextlib.AbstractContextManager[None]:
+        """Made at the first feedback item (in the worker, with ``serve --workers``)."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not directory:
+            return contextlib.nullcontext()
+        from .workers_metrics import FeedbackWrites
+
+        return FeedbackWrites(directory)
 
     @functools.cached_property
     def _processes(self) -> CollectorRegistry:

@@ -7,6 +7,12 @@ backwards); its live gauges are dropped. Its other files are merged into one arc
 takes, stay bounded however many workers were replaced (one per added version, per reload of an
 idle version, per crash). A merge and a scrape never overlap: a scrape holds a shared lock on the
 directory, a merge the exclusive one, so no scrape sees a count twice or not at all.
+
+A feedback item adds to three series in two files of its worker (its trial to ``counter_<pid>.db``,
+its value and square to ``gauge_sum_<pid>.db``), which a scrape in another worker reads one after
+the other: a scrape between the writes counted the success without its trial (more successes than
+trials) or the trial without its value. A worker writes an item holding a shared lock on
+``FEEDBACK_LOCK`` and a scrape reads holding the exclusive one, so a scrape sees each item whole.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +33,7 @@ if TYPE_CHECKING:
 _pid = os.getpid()
 PREFIX = "mnn-rollout-metrics-"
 LOCK = ".merge.lock"
+FEEDBACK_LOCK = ".feedback.lock"  # shared: a worker writing a feedback item; exclusive: a scrape reading
 OWNER = ".owner"  # locked (flock) by the server that made the directory, for as long as it or a worker lives
 ARCHIVE = "archive"
 
@@ -81,8 +89,8 @@ def remove_abandoned(parent: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path | str, operation: int) -> Iterator[None]:
-    with open(os.path.join(directory, LOCK), "a+b") as fh:
+def _locked(directory: Path | str, operation: int, name: str = LOCK) -> Iterator[None]:
+    with open(os.path.join(directory, name), "a+b") as fh:
         fcntl.flock(fh.fileno(), operation)
         try:
             yield
@@ -105,11 +113,44 @@ def collect(directory: Path | str) -> CollectorRegistry:
     give ``generate_latest`` or to ``collect()``."""
     from prometheus_client import CollectorRegistry, multiprocess
 
-    with _locked(directory, fcntl.LOCK_SH):
+    with _locked(directory, fcntl.LOCK_SH), _locked(directory, fcntl.LOCK_EX, FEEDBACK_LOCK):
         families = list(multiprocess.MultiProcessCollector(None, path=str(directory)).collect())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Read(families))  # type: ignore[arg-type]
     return registry
+
+
+class FeedbackWrites:
+    """``with`` it: the shared lock on ``FEEDBACK_LOCK`` a worker holds while it writes one feedback
+    item. The descriptor is this process's own, opened at its first item (a lock taken through one
+    inherited across a fork would be the parent's and its other children's too); a thread lock
+    keeps this process's threads to one item at a time (they share the descriptor: one's unlock
+    would be the other's). Two system calls an item; the lock dies with the process."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.path = os.path.join(directory, FEEDBACK_LOCK)
+        self._fd = -1
+        self._pid = 0
+        self._thread_lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._thread_lock.acquire()
+        try:
+            if self._pid != _pid:  # not opened yet, or opened by the process this one forked from
+                if self._fd >= 0:
+                    os.close(self._fd)  # (the parent's lock, if it held one, is not let go by this)
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._pid = _pid
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
 
 
 def mark_dead(pid: int, metrics_dir: Path | None) -> None:
