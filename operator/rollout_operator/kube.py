@@ -16,7 +16,8 @@ makes (which keeps the RBAC it needs derivable from the code, see tests/helm/rba
   server-side apply (how the operator writes its children) is idempotent;
 * a client-side rate limit shared by every thread using the client (a token bucket: ``burst``
   requests at once, ``qps`` per second sustained; client-go's defaults for controllers are 20/30);
-* server-side apply (:meth:`KubeClient.apply`);
+* server-side apply (:meth:`KubeClient.apply`; :meth:`KubeClient.apply_created` also says whether
+  it created the object, from the answer's status: 201 or 200);
 * counters for metrics: ``writes``, ``retries`` (and ``retries_by_reason``), ``throttled`` and
   ``throttle_seconds``.
 
@@ -244,6 +245,12 @@ class KubeClient:
     def request(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None,
                 content_type: str = "application/json") -> Any:
         """One API call, retried as the module docstring says; the decoded JSON answer (or None)."""
+        return self._exchange(method, path, body, params, content_type)[1]
+
+    def _exchange(self, method: str, path: str, body: Any, params: dict[str, str] | None,
+                  content_type: str) -> tuple[int, Any, bool]:
+        """``request``: the answer's HTTP status, its decoded JSON (or None), and whether an earlier
+        attempt failed after the server may have acted on it (as ``ApiError.ambiguous``)."""
         import urllib3.exceptions
         from kubernetes.client.exceptions import ApiException
 
@@ -274,7 +281,7 @@ class KubeClient:
                 raise ApiError(exc.status or 0, str(exc.reason), "ClientError", attempts=attempt) from exc
             else:
                 if code < 400:
-                    return json.loads(raw) if raw else None
+                    return code, json.loads(raw) if raw else None, ambiguous
                 error = _error_from(code, raw, headers)
                 error.attempts, error.ambiguous = attempt, ambiguous
                 retryable = code == 429 or (code in RETRY_STATUSES and repeatable)
@@ -339,12 +346,23 @@ class KubeClient:
         values) into the live object, creating it if absent, records the manager as their owner
         and removes the fields this manager applied before and no longer does. ``force`` takes
         over fields another manager owns with a different value instead of failing with 409."""
+        return self.apply_created(obj, field_manager, force, subresource)[0]
+
+    def apply_created(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER, force: bool = True,
+                      subresource: str | None = None) -> tuple[dict[str, Any], bool]:
+        """``apply``, and whether it created the object, at no extra request: the API server answers
+        201 Created when the apply created it, 200 when it was there (kube-apiserver's PatchResource,
+        ``wasCreated``). An apply repeated after an attempt the server may have acted on (a 5xx, a
+        connection lost after sending) answers 200 if that attempt created the object: it counts as
+        created then, as it may have been. So False is sure (the object existed before this call);
+        True after such a repeat may be an object that existed."""
         meta = obj["metadata"]
         params = {"fieldManager": field_manager}
         if force:
             params["force"] = "true"
-        return dict(self.request("PATCH", self.path(obj["kind"], meta["namespace"], meta["name"], subresource),
-                                 body=obj, params=params, content_type=APPLY_PATCH))
+        code, answer, ambiguous = self._exchange(
+            "PATCH", self.path(obj["kind"], meta["namespace"], meta["name"], subresource), obj, params, APPLY_PATCH)
+        return dict(answer), code == 201 or ambiguous
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         try:

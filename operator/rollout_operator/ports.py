@@ -267,7 +267,9 @@ class ClusterPorts:
         once, then ``kept: ...`` (see ``UNDONE_RETRY_SECONDS``); so too the apply that creates it
         (``not repaired: ... (created)``). A routing ConfigMap edited while no operator watched (a
         restarted one remembers no write of its own) is ``repaired: <fields>`` when this apply changes
-        what it holds, else ``adopted: ...``."""
+        what it holds, else ``adopted: ...``. A child the synced cache does not hold is applied unread:
+        ``created`` when the API answers 201 Created, and when it answers 200 (it was there, its owner
+        label removed by hand: the cache lists children by it) ``repaired: metadata.labels[<owner label>]``."""
         written = {}
         for obj in objs:
             edited_unseen = False
@@ -303,12 +305,20 @@ class ClusterPorts:
                 handover = children.replicas_handover(obj, live, FIELD_MANAGER)
                 if handover is not None:
                     self.kube.apply(handover, field_manager=HANDOVER_MANAGER)
-                result = self.kube.apply(obj)
+                result, created = self.kube.apply_created(obj)
             except ApiError as exc:
                 if exc.status != 422:
                     raise
                 written[key] = f"{REJECTED}{exc.message}"
                 continue
+            # said only of a child not seen live: ``created`` may also be an ambiguous repeat's 200 (apply_created)
+            created = created and live is None
+            if live is None and not created and self.cache.synced:
+                # there, yet not in the watch cache, which holds the children by their owner label: its label
+                # was removed by hand and the cache re-listed since (a watch's 410 Gone, a restart). This apply
+                # put the label back; what else was edited is unknown (no read: that would cost a request per
+                # child created). Unsynced, ``live`` was read: absent then, another writer created it since.
+                edited = [(f"metadata.labels[{children.OWNER_LABEL}]", None)]
             result.setdefault("kind", obj["kind"])
             self.cache.put_child(result)  # written through: the next reconcile sees it before the watch does
             self.cache.published(obj, written=True)
@@ -321,7 +331,7 @@ class ClusterPorts:
                 self._undone.pop(child, None)
             if kept and not said:
                 put_back = f" (put back: {', '.join(repaired)})" if repaired else ""
-                written[key] = f"{NOT_REPAIRED}{_values(kept)}{put_back}{CREATED_AS if live is None else ''}"
+                written[key] = f"{NOT_REPAIRED}{_values(kept)}{put_back}{CREATED_AS if created else ''}"
             elif repaired:
                 written[key] = f"{REPAIRED}{', '.join(repaired)}"
             elif kept and same_hash:
@@ -330,7 +340,7 @@ class ClusterPorts:
                 written[key] = f"{ADOPTED}edited while no operator watched (its content no longer matches its " \
                                f"{children.HASH_ANNOTATION}): kept as found"
             else:
-                written[key] = "created" if live is None else "updated"
+                written[key] = "created" if created else "updated"
         return written
 
     def delete_children(self, stubs: Iterable[dict[str, Any]], owner_uid: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from testbed.cluster import Cluster, wait_for
 from testbed.k8s.harness import EmulatorProcess
 from tests.operator.test_e2e_autoscaling import k8s_emulator, kube, owners, rendered  # noqa: F401 - the fixtures
 from tests.operator.test_e2e_basic import ready_cluster
+from tests.operator.test_kube_client import Scripted, make_client, scripted, status  # noqa: F401 - fixtures
 from tests.operator.test_review5_routing_edit import ROUTING, rotated, table_of
 from tests.operator.test_review_handedits import MirroringKube
 
@@ -166,3 +167,63 @@ def test_a_restarted_operator_says_what_it_found_edited_in_the_routing_table(clu
     wait_for(lambda: cluster.configmap_weights() == {"v1": 90, "v2": 10}, 30, "the weights put back")
     wait_for(lambda: any("ConfigMap/scorer-routing data[runtime.yaml].weights.v1" in e.get("message", "")
                          for e in cluster.events() if e["reason"] == "DriftRepaired"), 20, "DriftRepaired naming them")
+
+
+# -- a child the cache lost with its owner label: the apply's 200 says it was there ---------------------------
+
+
+@pytest.mark.parametrize("lost_by", ["re-list", "restart"])
+def test_a_child_whose_owner_label_was_removed_is_repaired_not_recreated_after_a_relist(
+        lost_by: str, k8s_emulator: EmulatorProcess, owners: dict[str, dict[str, Any]],  # noqa: F811
+        kube: KubeClient) -> None:  # noqa: F811
+    ports = ClusterPorts(kube)
+    ports.cache.sync(kube, ["default"])
+    objs = rendered({}, owners["scorer"])
+    service = objs["Service"]
+    assert ports.write_children([service]) == {"Service/scorer": "created"}
+    kube.patch("Service", "default", "scorer", {"metadata": {"labels": {children.OWNER_LABEL: None}}})
+    if lost_by == "re-list":  # after a watch's 410 Gone: the list, by the owner label, has it no more
+        assert ports.cache.relist(kube, "Service", ["default"]) == {("default", "scorer")}
+    else:
+        ports = ClusterPorts(kube)
+        ports.cache.sync(kube, ["default"])
+    assert ports.cache.live(service) is None
+    k8s_emulator.reset_requests()
+    written = ports.write_children([service])
+    # before: "created", and a Warning ChildrenRecreated "created Service/scorer" for a label put back
+    assert written == {"Service/scorer": f"repaired: metadata.labels[{children.OWNER_LABEL}]"}
+    assert [(r["method"], r["resource"]) for r in k8s_emulator.requests()] == [("PATCH", "services")]  # no read
+    assert ((kube.get("Service", "default", "scorer") or {})["metadata"].get("labels") or {}).get(
+        children.OWNER_LABEL) == "scorer"
+    events = Reconciler._child_events(False, RolloutStatus(), RolloutStatus(), written)
+    assert [(e.type, e.reason) for e in events] == [("Warning", "DriftRepaired")]
+    assert f"Service/scorer metadata.labels[{children.OWNER_LABEL}]" in events[0].message
+    assert ports.write_children([service]) == {"Service/scorer": "unchanged"}  # held again: no request
+    # a child truly new, the cache not holding it either: still created
+    assert ports.write_children([objs["ServiceAccount"]]) == {"ServiceAccount/scorer-runtime": "created"}
+    kube.delete("Service", "default", "scorer")
+    ports.cache.relist(kube, "Service", ["default"])
+    written = ports.write_children([service])
+    assert written == {"Service/scorer": "created"}
+    events = Reconciler._child_events(False, RolloutStatus(), RolloutStatus(), written)
+    assert [(e.type, e.reason, e.message) for e in events] == [("Warning", "ChildrenRecreated",
+                                                                 "created Service/scorer")]
+
+
+@pytest.mark.parametrize("script, created", [
+    ([(201, {}, {"kind": "ConfigMap"})], True),
+    ([(200, {}, {"kind": "ConfigMap"})], False),
+    # a 503 the server may have acted on: the repeat's 200 may answer the object the first attempt created
+    ([(503, {}, status(503, "ServiceUnavailable", "x")), (200, {}, {"kind": "ConfigMap"})], True),
+    ([(429, {}, status(429, "TooManyRequests", "x")), (200, {}, {"kind": "ConfigMap"})], False),  # not acted on
+])
+def test_apply_created_says_from_the_answer_whether_the_apply_created_the_object(
+        script: list[Any], created: bool, scripted: Scripted, make_client: Any) -> None:
+    scripted.script = list(script)
+    kube = make_client(scripted.url)
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "default"}}
+    assert kube.apply_created(obj) == ({"kind": "ConfigMap"}, created)
+    assert [(method, path.split("?")[0]) for _, method, path, *_ in scripted.seen] == [
+        ("PATCH", "/api/v1/namespaces/default/configmaps/x")] * len(script)
+    scripted.script = [(201, {}, {"kind": "ConfigMap"})]
+    assert kube.apply(obj) == {"kind": "ConfigMap"}

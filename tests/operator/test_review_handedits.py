@@ -135,17 +135,17 @@ class MirroringKube(KubeClient):
     """A mutating admission webhook's doing: every Deployment written gets its images from a mirror,
     whatever the writer asked for (the API server answers with the rewritten object)."""
 
-    def apply(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER, force: bool = True,
-              subresource: str | None = None) -> dict[str, Any]:
-        result = super().apply(obj, field_manager, force, subresource)
+    def apply_created(self, obj: dict[str, Any], field_manager: str = FIELD_MANAGER, force: bool = True,
+                      subresource: str | None = None) -> tuple[dict[str, Any], bool]:
+        result, created = super().apply_created(obj, field_manager, force, subresource)  # apply() too
         if obj["kind"] != "Deployment":
-            return result
+            return result, created
         containers = copy.deepcopy(result["spec"]["template"]["spec"]["containers"])
         for c in containers:
             c["image"] = "mirror.example/" + c["image"].rsplit("/", 1)[-1]
         meta = result["metadata"]
         return self.patch("Deployment", meta["namespace"], meta["name"],
-                          {"spec": {"template": {"spec": {"containers": containers}}}})
+                          {"spec": {"template": {"spec": {"containers": containers}}}}), created
 
 
 def test_a_repair_another_actor_undoes_is_said_once_and_not_retried_at_every_reconcile(
