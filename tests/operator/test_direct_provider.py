@@ -180,9 +180,14 @@ def test_evaluate_on_direct_samples_passes_fails_and_holds_as_the_spec_says(pods
     result = evaluate(strict, s["v2"], s["v1"], 0)
     assert result.verdict == FAIL and "error-rate = 0.05 breached error rate <= 0.01" in result.failed_metric()
     assert evaluate(lenient, s["v2-breaking"], s["v1"], 0).verdict == FAIL
-    # too little canary traffic holds, whatever the metrics say
-    held = evaluate(spec(minRequests=41, metrics=[{"name": "error-rate", "max": 0.01}]), s["v2"], s["v1"], 0)
+    # too little canary traffic holds, whatever the metrics say (0.05 is over the max, but its 2 errors
+    # would be 2/41 = 0.0488 at minRequests, within it)
+    held = evaluate(spec(minRequests=41, metrics=[{"name": "error-rate", "max": 0.049}]), s["v2"], s["v1"], 0)
     assert held.verdict == INCONCLUSIVE and "only 40 canary requests" in held.message
+    assert [m.verdict for m in held.metrics] == [FAIL]
+    # ... unless its errors alone break the max even at minRequests: 2/41 = 0.0488 > 0.01
+    failed = evaluate(spec(minRequests=41, metrics=[{"name": "error-rate", "max": 0.01}]), s["v2"], s["v1"], 0)
+    assert failed.verdict == FAIL and "its 2 errors alone break error rate <= 0.01 at minRequests" in failed.message
     # compared with stable: 0.05 - 0.0 against an allowed increase
     increase = spec(minRequests=1, metrics=[{"name": "error-rate", "max": 1, "maxErrorRateIncrease": 0.01}])
     assert evaluate(increase, s["v2"], s["v1"], 0).verdict == FAIL
