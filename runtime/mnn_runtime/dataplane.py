@@ -237,15 +237,15 @@ class DataPlane:
         whose request is unknown here or too old are counted as unmatched, not refused."""
         snap = self._snapshot_for(model)
         items = parse_feedback(body)
-        counted = 0
+        matched = []
         for request_id, value in items:
             version, why = self.feedback_book.version(request_id)
             if version is None or version not in snap.versions:
                 self.metrics.feedback_unmatched.labels(self.metrics.model, why or "unknown").inc()
                 continue
-            self.metrics.count_feedback(version, value)
-            counted += 1
-        return {"counted": counted, "unmatched": len(items) - counted}
+            matched.append((version, value))
+        self.metrics.count_feedback(matched)  # under one lock, however many items
+        return {"counted": len(matched), "unmatched": len(items) - len(matched)}
 
     async def _loaded(self, snap: Snapshot, version: str) -> VersionState:
         """The version's state, once loaded: an offloaded one is loaded again first (this request

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -167,19 +168,26 @@ class RuntimeMetrics:
             self.feedback_value.labels(self.model, version)
             self.feedback_squares.labels(self.model, version)
 
-    def count_feedback(self, version: str, value: float) -> None:
-        """One item, whole in every scrape: with workers, its three series are written holding the
-        lock a scrape takes (``workers_metrics.FeedbackWrites``). In one process a scrape and a
-        feedback request both run on the event loop, so never at once."""
-        children = self._feedback.get(version)
-        if children is None:  # looked up once, as in observe
-            children = self._feedback[version] = (self.feedback.labels(self.model, version),
-                                                  self.feedback_value.labels(self.model, version),
-                                                  self.feedback_squares.labels(self.model, version))
+    def count_feedback(self, items: Iterable[tuple[str, float]]) -> None:
+        """Feedback items (version, value), each whole in every scrape: with workers, their series are
+        written holding the lock a scrape takes (``workers_metrics.FeedbackWrites``), once for the
+        whole request. In one process a scrape and a feedback request both run on the event loop, so
+        never at once."""
+        rows = []
+        for version, value in items:
+            children = self._feedback.get(version)
+            if children is None:  # looked up once, as in observe
+                children = self._feedback[version] = (self.feedback.labels(self.model, version),
+                                                      self.feedback_value.labels(self.model, version),
+                                                      self.feedback_squares.labels(self.model, version))
+            rows.append((children, value))
+        if not rows:
+            return
         with self._feedback_writes:
-            children[0].inc()
-            children[1].inc(value)
-            children[2].inc(value * value)
+            for (trials, total, squares), value in rows:
+                trials.inc()
+                total.inc(value)
+                squares.inc(value * value)
 
     def set_version_state(self, version: str, weight: int, loaded: bool, load_seconds: float | None,
                           memory_bytes: int | None = None, offloaded: bool = False) -> None:
