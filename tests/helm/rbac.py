@@ -139,7 +139,7 @@ def code_needs() -> dict[Triple, list[str]]:
                 else:
                     raise AssertionError(f"{where}: cannot tell the kind; teach tests/helm/rbac.py")
                 add([(group, f"{plural}/{sub}" if sub else plural, VERB_OF_METHOD[method])], where)
-            elif method == "apply":
+            elif method in ("apply", "apply_created"):  # apply_created: the same apply, saying whether it created
                 assert call is not None and path.name == "ports.py", where
                 if ast.unparse(call.args[0]) == "handover":  # children.replicas_handover: an existing Deployment
                     add([(*group_resource("Deployment"), "patch")], where)

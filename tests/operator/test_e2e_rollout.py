@@ -134,6 +134,8 @@ def test_an_operator_restarted_mid_rollout_resumes_at_the_same_step(cluster: Clu
         cluster.apply(canary(cluster, steps=[{"weight": 30}, {"weight": 60, "pause": "1s"}]))
         wait_for(lambda: phase(cluster) == "Paused" and cluster.status()["canaryWeight"] == 30, 60,
                  "waiting for promote at step 1")
+        # kopf posts Events from a queue of its own, after the status: the kill must not come first
+        wait_for(lambda: "RolloutStarted" in cluster.event_reasons(), 30, "the RolloutStarted Event posted")
         before = cluster.status()
         cluster.operators[0].kill(signal.SIGKILL)
         new = cluster.start_operator()  # it may wait for the dead replica's peering keep-alive to expire
