@@ -170,7 +170,7 @@ class RuntimeMetrics:
 
     def count_feedback(self, items: Iterable[tuple[str, float]]) -> None:
         """Feedback items (version, value), each whole in every scrape: with workers, their series are
-        written holding the lock a scrape takes (``workers_metrics.FeedbackWrites``), once for the
+        written holding the lock a scrape takes (``workers_metrics.feedback_writes``), once for the
         whole request. In one process a scrape and a feedback request both run on the event loop, so
         never at once."""
         rows = []
@@ -183,7 +183,7 @@ class RuntimeMetrics:
             rows.append((children, value))
         if not rows:
             return
-        with self._feedback_writes:
+        with self._feedback_writes():
             for (trials, total, squares), value in rows:
                 trials.inc()
                 total.inc(value)
@@ -254,15 +254,16 @@ class RuntimeMetrics:
                     in_flight[version] = in_flight.get(version, 0.0) + sample.value
         return {v: (answered.get(v, 0.0), in_flight.get(v, 0.0)) for v in answered.keys() | in_flight.keys()}
 
-    @functools.cached_property
-    def _feedback_writes(self) -> contextlib.AbstractContextManager[None]:
-        """Made at the first feedback item (in the worker, with ``serve --workers``)."""
+    @staticmethod
+    def _feedback_writes() -> contextlib.AbstractContextManager[None]:
+        """The lock a request's feedback items are written under (with ``serve --workers``; none in one
+        process)."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not directory:
             return contextlib.nullcontext()
-        from .workers_metrics import FeedbackWrites
+        from .workers_metrics import feedback_writes
 
-        return FeedbackWrites(directory)
+        return feedback_writes(directory)
 
     @functools.cached_property
     def _processes(self) -> CollectorRegistry:

@@ -11,8 +11,8 @@ directory, a merge the exclusive one, so no scrape sees a count twice or not at 
 A feedback item adds to three series in two files of its worker (its trial to ``counter_<pid>.db``,
 its value and square to ``gauge_sum_<pid>.db``), which a scrape in another worker reads one after
 the other: a scrape between the writes counted the success without its trial (more successes than
-trials) or the trial without its value. A worker writes an item holding a shared lock on
-``FEEDBACK_LOCK`` and a scrape reads holding the exclusive one, so a scrape sees each item whole.
+trials) or the trial without its value. A worker writes a request's items holding a shared lock
+on ``FEEDBACK_LOCK`` and a scrape reads holding the exclusive one, so a scrape sees each item whole.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import fcntl
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,12 +89,17 @@ def remove_abandoned(parent: Path) -> None:
 
 @contextlib.contextmanager
 def _locked(directory: Path | str, operation: int, name: str = LOCK) -> Iterator[None]:
-    with open(os.path.join(directory, name), "a+b") as fh:
-        fcntl.flock(fh.fileno(), operation)
+    """``flock`` on the file ``name`` of ``directory`` through a descriptor of this call's own (no
+    Python file object: a feedback request takes it once)."""
+    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, operation)
         try:
             yield
         finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 class _Read:
@@ -120,37 +124,12 @@ def collect(directory: Path | str) -> CollectorRegistry:
     return registry
 
 
-class FeedbackWrites:
-    """``with`` it: the shared lock on ``FEEDBACK_LOCK`` a worker holds while it writes one feedback
-    item. The descriptor is this process's own, opened at its first item (a lock taken through one
-    inherited across a fork would be the parent's and its other children's too); a thread lock
-    keeps this process's threads to one item at a time (they share the descriptor: one's unlock
-    would be the other's). Two system calls an item; the lock dies with the process."""
-
-    def __init__(self, directory: Path | str) -> None:
-        self.path = os.path.join(directory, FEEDBACK_LOCK)
-        self._fd = -1
-        self._pid = 0
-        self._thread_lock = threading.Lock()
-
-    def __enter__(self) -> None:
-        self._thread_lock.acquire()
-        try:
-            if self._pid != _pid:  # not opened yet, or opened by the process this one forked from
-                if self._fd >= 0:
-                    os.close(self._fd)  # (the parent's lock, if it held one, is not let go by this)
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                self._pid = _pid
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
-        except BaseException:
-            self._thread_lock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._thread_lock.release()
+def feedback_writes(directory: Path | str) -> contextlib.AbstractContextManager[None]:
+    """``with`` it: the shared lock on ``FEEDBACK_LOCK`` a worker holds while it writes a request's
+    feedback items (``collect`` reads holding the exclusive one). The file is opened at each call, so
+    each lock is its caller's own: one taken through a descriptor inherited across a fork would be
+    the parent's too, and one's unlock the other's."""
+    return _locked(directory, fcntl.LOCK_SH, FEEDBACK_LOCK)
 
 
 def mark_dead(pid: int, metrics_dir: Path | None) -> None:

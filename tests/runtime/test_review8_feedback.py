@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from mnn_rollout.local.net import wait_for
-from mnn_runtime.workers_metrics import FEEDBACK_LOCK, FeedbackWrites
+from mnn_runtime.workers_metrics import FEEDBACK_LOCK, feedback_writes
 from tests.runtime.test_feedback import infer
 from tests.runtime.test_metrics import value
 from tests.runtime_server import FEEDBACK_TOKEN, RuntimeServer
@@ -80,17 +80,13 @@ def test_no_scrape_counts_part_of_a_feedback_item(model_dir: Path, tmp_path: Pat
 
 
 def test_a_forked_worker_locks_through_a_descriptor_of_its_own(tmp_path: Path) -> None:
-    """A worker forked from a process that opened the lock file must not lock through the inherited
+    """A worker forked from a process that holds the lock must not lock through the inherited
     descriptor: its unlock would let go of the lock the other process holds through it."""
-    writes = FeedbackWrites(tmp_path)
-    with writes:  # opened here
-        pass
-    fcntl.flock(writes._fd, fcntl.LOCK_SH)  # this process holds the lock (as a worker writing an item)
-    try:
+    with feedback_writes(tmp_path):  # this process holds the lock (as a worker writing an item)
         pid = os.fork()
         if pid == 0:  # the child: one item, then out
             try:
-                with writes:
+                with feedback_writes(tmp_path):
                     pass
             finally:
                 os._exit(0)
@@ -101,8 +97,6 @@ def test_a_forked_worker_locks_through_a_descriptor_of_its_own(tmp_path: Path) -
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(probe)
-    finally:
-        fcntl.flock(writes._fd, fcntl.LOCK_UN)
     probe = os.open(tmp_path / FEEDBACK_LOCK, os.O_RDONLY)
     try:
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and can read once it is let go
