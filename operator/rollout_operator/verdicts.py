@@ -226,7 +226,8 @@ def decisive_errors(spec: AnalysisSpec, canary: Sample, shadow: bool) -> str:
     limit = min((m.max for m in spec.metrics_for(shadow) if m.name == name and m.max is not None), default=None)
     if limit is None or errors is None or errors / spec.min_requests <= limit:
         return ""
-    return (f"its {errors:g} error{'' if errors == 1 else 's'} alone break {name.replace('-', ' ')} <= {limit:g} at minRequests "
+    label = SHADOW_LABELS.get(name, "error rate")
+    return (f"its {errors:g} error{'' if errors == 1 else 's'} alone break {label} <= {limit:g} at minRequests "
             f"({errors:g}/{spec.min_requests} = {errors / spec.min_requests:.4g})")
 
 
@@ -258,10 +259,9 @@ def evaluate(spec: AnalysisSpec, canary: Sample, stable: Sample | None, now: flo
         message = (f"no {what[0]} count (no series, or a pod could not be scraped): no verdict without evidence"
                    if requests is None else
                    f"only {requests:g} {what[1]} in the interval (minRequests {spec.min_requests})")
-        decisive = None if requests is None else decisive_errors(spec, canary, shadow)
-        if decisive:
-            return Analysis(now, FAIL, tuple(results), requests, f"{message}, but {decisive}", kept, shadow)
-        return Analysis(now, FAIL if worse else INCONCLUSIVE, tuple(results), requests, message, kept, shadow)
+        decisive = "" if requests is None else decisive_errors(spec, canary, shadow)
+        return Analysis(now, FAIL if worse or decisive else INCONCLUSIVE, tuple(results), requests,
+                        f"{message}, but {decisive}" if decisive else message, kept, shadow)
     verdicts = {r.verdict for r in results}
     if FAIL in verdicts:
         verdict = FAIL
