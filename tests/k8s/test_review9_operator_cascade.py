@@ -13,17 +13,9 @@ from tests.k8s.helpers import watch
 from tests.k8s.kubelet_fixtures import kubelet_factory  # noqa: F401
 from tests.operator.conftest import cluster  # noqa: F401
 from tests.operator.test_e2e_basic import ready_cluster
+from tests.operator.test_e2e_lifecycle import CHILDREN
 
 pytestmark = pytest.mark.timeout(300)
-CHILDREN = {
-    "configmaps": "/api/v1/namespaces/default/configmaps/scorer-routing",
-    "services": "/api/v1/namespaces/default/services/scorer",
-    "deployments": "/apis/apps/v1/namespaces/default/deployments/scorer-runtime",
-    "serviceaccounts": "/api/v1/namespaces/default/serviceaccounts/scorer-runtime",
-    "roles": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/scorer-runtime",
-    "rolebindings": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/scorer-runtime",
-    "poddisruptionbudgets": "/apis/policy/v1/namespaces/default/poddisruptionbudgets/scorer-runtime",
-}
 DANGLING = {"apiVersion": "v1", "kind": "ConfigMap", "name": "ghost", "uid": "00000000-0000-0000-0000-000000000000"}
 
 

@@ -14,6 +14,16 @@ pytestmark = pytest.mark.timeout(240)
 OWNED = {"configmaps", "deployments", "services", "serviceaccounts", "roles", "rolebindings", "poddisruptionbudgets",
          "horizontalpodautoscalers", "modeldeployments"}
 KEYS = [f"user-{i}" for i in range(200)]
+# The API paths of the children of the ModelDeployment "scorer" in "default" (without autoscaling's HPA)
+CHILDREN = {
+    "configmaps": "/api/v1/namespaces/default/configmaps/scorer-routing",
+    "services": "/api/v1/namespaces/default/services/scorer",
+    "deployments": "/apis/apps/v1/namespaces/default/deployments/scorer-runtime",
+    "serviceaccounts": "/api/v1/namespaces/default/serviceaccounts/scorer-runtime",
+    "roles": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/scorer-runtime",
+    "rolebindings": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/scorer-runtime",
+    "poddisruptionbudgets": "/apis/policy/v1/namespaces/default/poddisruptionbudgets/scorer-runtime",
+}
 
 
 def operator_writes(cluster: Cluster) -> list[dict]:  # type: ignore[type-arg]
@@ -92,16 +102,7 @@ def test_delete_removes_the_finalizer_and_garbage_collects_every_child(cluster: 
     # kopf holds a finalizer while its per-object daemon runs; deletion must remove it.
     assert md["metadata"].get("finalizers") == ["mnnrollout.io/finalizer"]
     uid = md["metadata"]["uid"]
-    children = {
-        "configmaps": "/api/v1/namespaces/default/configmaps/scorer-routing",
-        "services": "/api/v1/namespaces/default/services/scorer",
-        "deployments": "/apis/apps/v1/namespaces/default/deployments/scorer-runtime",
-        "serviceaccounts": "/api/v1/namespaces/default/serviceaccounts/scorer-runtime",
-        "roles": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/scorer-runtime",
-        "rolebindings": "/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/scorer-runtime",
-        "poddisruptionbudgets": "/apis/policy/v1/namespaces/default/poddisruptionbudgets/scorer-runtime",
-        "horizontalpodautoscalers": hpa,
-    }
+    children = {**CHILDREN, "horizontalpodautoscalers": hpa}
     for path in children.values():
         owners = cluster.emu.request("GET", path)[1]["metadata"]["ownerReferences"]
         assert owners == [{"apiVersion": "mnnrollout.io/v1alpha1", "kind": "ModelDeployment", "name": "scorer",
